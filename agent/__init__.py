@@ -1,0 +1,1 @@
+"""The per-node agent: collection loop, three-colour tracker, store and exporters."""

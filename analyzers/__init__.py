@@ -1,0 +1,1 @@
+"""Pure analyzers: a window of frames in, findings out."""

@@ -1,0 +1,1 @@
+"""Grafana dashboards and Prometheus alert rules, generated from the metric catalog."""

@@ -1,0 +1,207 @@
+"""The metric catalog: the single place where metric names are spelled.
+
+Every frame column, Prometheus series, OTLP instrument, dashboard query and
+alert rule takes its name from here. A frame column is the metric's ``column``
+(for example ``gpu_utilization_ratio``); the exported name is ``name``
+(``gpudiag_gpu_utilization_ratio``, or ``vllm:num_requests_running`` for the
+metrics a serving engine exports in vLLM's dialect).
+
+Code refers to columns through ``M``: ``M.gpu_utilization_ratio`` is the
+string ``"gpu_utilization_ratio"``, and a misspelt attribute fails at once.
+
+Units are SI base units (bytes, seconds, ratio 0..1, celsius, watts, hertz)
+and appear at the end of the name, before ``_total`` for counters, as
+Prometheus naming asks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+PREFIX = "gpudiag_"
+VLLM_PREFIX = "vllm:"
+
+GAUGE, COUNTER, HISTOGRAM, INFO = "gauge", "counter", "histogram", "info"
+
+GPU_LABELS = ("node", "gpu", "uuid")
+PROCESS_LABELS = ("node", "gpu", "uuid", "pid", "process")
+ENGINE_LABELS = ("node", "gpu", "engine")
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One metric: what it is called, what it measures and in which unit."""
+
+    column: str
+    type: str
+    unit: str
+    help: str
+    labels: tuple[str, ...]
+    entity: str  # gpu | process | engine | request | node | agent | cuda_api | finding
+    dialect: str = "gpudiag"  # gpudiag | vllm
+
+    @property
+    def name(self) -> str:
+        """The exported name (Prometheus/OTLP)."""
+        if self.dialect == "vllm":
+            return VLLM_PREFIX + self.column
+        return PREFIX + self.column
+
+
+def _m(column, type_, unit, help_, labels, entity, dialect="gpudiag") -> Metric:
+    return Metric(column, type_, unit, help_, tuple(labels), entity, dialect)
+
+
+_G, _P, _E = GPU_LABELS, PROCESS_LABELS, ENGINE_LABELS
+
+METRICS: tuple[Metric, ...] = (
+    # --- GPU (NVML or the simulated GPU) ---------------------------------
+    _m("gpu_utilization_ratio", GAUGE, "ratio",
+       "Fraction of the sample period during which one or more kernels ran (NVML utilization.gpu).", _G, "gpu"),
+    _m("gpu_memory_utilization_ratio", GAUGE, "ratio",
+       "Fraction of the sample period during which device memory was read or written.", _G, "gpu"),
+    _m("gpu_memory_used_bytes", GAUGE, "bytes", "Device memory in use, all processes and the driver.", _G, "gpu"),
+    _m("gpu_memory_total_bytes", GAUGE, "bytes", "Device memory capacity.", _G, "gpu"),
+    _m("gpu_memory_reserved_bytes", GAUGE, "bytes", "Device memory reserved by the driver and firmware.", _G, "gpu"),
+    _m("gpu_sm_clock_hertz", GAUGE, "hertz", "Current SM clock.", _G, "gpu"),
+    _m("gpu_sm_clock_max_hertz", GAUGE, "hertz", "Maximum SM clock.", _G, "gpu"),
+    _m("gpu_memory_clock_hertz", GAUGE, "hertz", "Current memory clock.", _G, "gpu"),
+    _m("gpu_memory_clock_max_hertz", GAUGE, "hertz", "Maximum memory clock.", _G, "gpu"),
+    _m("gpu_power_watts", GAUGE, "watts", "Power draw.", _G, "gpu"),
+    _m("gpu_power_limit_watts", GAUGE, "watts", "Enforced power limit.", _G, "gpu"),
+    _m("gpu_temperature_celsius", GAUGE, "celsius", "GPU core temperature.", _G, "gpu"),
+    _m("gpu_memory_temperature_celsius", GAUGE, "celsius", "HBM temperature.", _G, "gpu"),
+    _m("gpu_fan_speed_ratio", GAUGE, "ratio", "Fan speed as a fraction of its maximum.", _G, "gpu"),
+    _m("gpu_pcie_tx_bytes_per_second", GAUGE, "bytes_per_second", "PCIe transmit throughput.", _G, "gpu"),
+    _m("gpu_pcie_rx_bytes_per_second", GAUGE, "bytes_per_second", "PCIe receive throughput.", _G, "gpu"),
+    _m("gpu_pcie_replay_total", COUNTER, "", "PCIe replay counter.", _G, "gpu"),
+    _m("gpu_nvlink_errors_total", COUNTER, "", "NVLink error counters by kind.", _G + ("kind",), "gpu"),
+    _m("gpu_ecc_errors_total", COUNTER, "", "ECC error counts.", _G + ("scope", "kind"), "gpu"),
+    _m("gpu_retired_pages_total", COUNTER, "", "Retired memory pages.", _G + ("cause",), "gpu"),
+    _m("gpu_remapped_rows_total", COUNTER, "", "Remapped HBM rows.", _G + ("kind",), "gpu"),
+    _m("gpu_clock_throttle_active", GAUGE, "", "1 while the named clock throttle reason is active.", _G + ("reason",), "gpu"),
+    _m("gpu_performance_state", GAUGE, "", "Performance state (0 = P0, maximum performance).", _G, "gpu"),
+    _m("gpu_xid_errors_total", COUNTER, "", "XID error events by XID code.", _G + ("xid",), "gpu"),
+    _m("gpu_lost", GAUGE, "", "1 when NVML reports the GPU as lost (fallen off the bus).", _G, "gpu"),
+    _m("gpu_info", INFO, "", "Static GPU facts; metrics are unreliable where mig_mode or virtualization is set.",
+       _G + ("name", "pci_bus_id", "driver_version", "cuda_driver_version", "mig_mode", "virtualization_mode"), "gpu"),
+    # --- Process on a GPU: the three colours and host view ---------------
+    _m("process_gpu_memory_bytes", GAUGE, "bytes",
+       "Black: device memory the driver charges to the process (NVML per-process used memory).", _P, "process"),
+    _m("process_torch_allocated_bytes", GAUGE, "bytes",
+       "White: bytes held by live tensors (torch.cuda.memory_allocated).", _P, "process"),
+    _m("process_torch_reserved_bytes", GAUGE, "bytes",
+       "Grey: bytes the caching allocator holds (torch.cuda.memory_reserved).", _P, "process"),
+    _m("process_torch_active_bytes", GAUGE, "bytes", "Bytes in active blocks of the caching allocator.", _P, "process"),
+    _m("process_torch_inactive_split_bytes", GAUGE, "bytes",
+       "Free bytes inside split segments of the caching allocator (unreleasable holes).", _P, "process"),
+    _m("process_torch_requested_bytes", GAUGE, "bytes", "Bytes callers asked for, before rounding.", _P, "process"),
+    _m("process_torch_largest_free_block_bytes", GAUGE, "bytes",
+       "Largest free block in the caching allocator's segments.", _P, "process"),
+    _m("process_torch_segments", GAUGE, "", "Segments (cudaMalloc'd regions) held by the caching allocator.", _P, "process"),
+    _m("process_torch_alloc_retries_total", COUNTER, "",
+       "Allocations that failed, freed cached blocks and retried.", _P, "process"),
+    _m("process_torch_ooms_total", COUNTER, "", "Allocations that failed after the retry (out of memory).", _P, "process"),
+    _m("process_reserved_minus_allocated_bytes", GAUGE, "bytes",
+       "Grey minus white: memory the caching allocator holds that no tensor uses.", _P, "process"),
+    _m("process_driver_minus_reserved_bytes", GAUGE, "bytes",
+       "Black minus grey: driver-charged memory outside the caching allocator (context, libraries, raw cudaMalloc).",
+       _P, "process"),
+    _m("process_cpu_utilization_ratio", GAUGE, "ratio", "Process CPU time per wall second (1.0 = one core).", _P, "process"),
+    _m("process_thread_cpu_max_ratio", GAUGE, "ratio", "CPU time per wall second of the busiest thread.", _P, "process"),
+    _m("process_resident_memory_bytes", GAUGE, "bytes", "Resident set size.", _P, "process"),
+    _m("process_context_switches_total", COUNTER, "", "Context switches by kind.", _P + ("kind",), "process"),
+    # --- Serving engine, vLLM dialect --------------------------------------
+    _m("num_requests_running", GAUGE, "", "Requests in the running batch.", _E, "engine", "vllm"),
+    _m("num_requests_waiting", GAUGE, "", "Requests waiting to be scheduled.", _E, "engine", "vllm"),
+    _m("kv_cache_usage_perc", GAUGE, "ratio", "KV-cache usage, 0..1 (vLLM's name keeps 'perc').", _E, "engine", "vllm"),
+    _m("num_preemptions_total", COUNTER, "", "Preemptions (KV evicted, request re-queued).", _E, "engine", "vllm"),
+    _m("prompt_tokens_total", COUNTER, "", "Prefill tokens processed.", _E, "engine", "vllm"),
+    _m("generation_tokens_total", COUNTER, "", "Tokens generated.", _E, "engine", "vllm"),
+    _m("prefix_cache_queries_total", COUNTER, "", "Prompt tokens looked up in the prefix cache.", _E, "engine", "vllm"),
+    _m("prefix_cache_hits_total", COUNTER, "", "Prompt tokens found in the prefix cache.", _E, "engine", "vllm"),
+    _m("time_to_first_token_seconds", HISTOGRAM, "seconds", "Time to first token.", _E, "request", "vllm"),
+    _m("inter_token_latency_seconds", HISTOGRAM, "seconds",
+       "Time per output token after the first (per request: (e2e - ttft) / (output tokens - 1)).", _E, "request", "vllm"),
+    _m("e2e_request_latency_seconds", HISTOGRAM, "seconds", "End-to-end request latency.", _E, "request", "vllm"),
+    _m("request_queue_time_seconds", HISTOGRAM, "seconds", "Time a request waited before its first prefill.",
+       _E, "request", "vllm"),
+    # --- Serving engine, gpudiag's own --------------------------------------
+    _m("engine_batch_size", GAUGE, "", "Sequences in the last engine step.", _E, "engine"),
+    _m("engine_kv_evictions_total", COUNTER, "", "KV evictions (a request's KV freed to make room).", _E, "engine"),
+    _m("engine_recomputed_tokens_total", COUNTER, "", "Tokens prefilled again after an eviction.", _E, "engine"),
+    _m("engine_kv_alloc_failures_total", COUNTER, "", "KV allocations that failed.", _E, "engine"),
+    _m("engine_kv_failed_request_bytes", GAUGE, "bytes",
+       "Largest KV allocation that failed in the last interval (0 when none failed).", _E, "engine"),
+    _m("engine_kv_capacity_bytes", GAUGE, "bytes", "KV capacity the engine can use.", _E, "engine"),
+    _m("engine_kv_used_bytes", GAUGE, "bytes", "KV bytes holding tokens.", _E, "engine"),
+    _m("engine_kv_reserved_bytes", GAUGE, "bytes", "KV bytes allocated to requests (used plus internal slack).",
+       _E, "engine"),
+    _m("engine_requests_finished_total", COUNTER, "", "Requests completed.", _E, "engine"),
+    _m("engine_requests_arrived_total", COUNTER, "", "Requests received.", _E, "engine"),
+    _m("engine_requests_rejected_total", COUNTER, "", "Requests refused by admission control (HTTP 429).",
+       _E, "engine"),
+    _m("engine_serving_state", GAUGE, "", "Serving state as a label set to 1.", _E + ("state",), "engine"),
+    _m("engine_model_info", INFO, "", "The served model.", _E + ("model", "fingerprint"), "engine"),
+    # --- Node (host) ----------------------------------------------------------
+    _m("node_cpu_utilization_ratio", GAUGE, "ratio", "Node CPU busy fraction, all cores.", ("node",), "node"),
+    _m("node_load1", GAUGE, "", "1-minute load average.", ("node",), "node"),
+    _m("node_memory_used_bytes", GAUGE, "bytes", "Host memory in use.", ("node",), "node"),
+    _m("node_memory_total_bytes", GAUGE, "bytes", "Host memory capacity.", ("node",), "node"),
+    _m("node_swap_used_bytes", GAUGE, "bytes", "Swap in use.", ("node",), "node"),
+    # --- CUDA API (eBPF) -------------------------------------------------------
+    _m("cuda_api_calls_total", COUNTER, "", "CUDA runtime/driver API calls.", ("node", "pid", "process", "api"),
+       "cuda_api"),
+    _m("cuda_api_errors_total", COUNTER, "", "CUDA API calls that returned an error, by code.",
+       ("node", "pid", "process", "api", "code"), "cuda_api"),
+    _m("cuda_api_bytes_total", COUNTER, "bytes", "Bytes allocated, freed or copied by CUDA API calls.",
+       ("node", "pid", "process", "api"), "cuda_api"),
+    _m("cuda_api_latency_seconds", HISTOGRAM, "seconds", "CUDA API call latency (log2 buckets).",
+       ("node", "pid", "process", "api"), "cuda_api"),
+    _m("cuda_outstanding_allocation_bytes", GAUGE, "bytes", "Device allocations not yet freed, seen by eBPF.",
+       ("node", "pid", "process"), "cuda_api"),
+    _m("cuda_kernel_launches_total", COUNTER, "", "Kernel launches.", ("node", "pid", "process"), "cuda_api"),
+    _m("cuda_degenerate_launches_total", COUNTER, "", "Kernel launches with grid (1,1,1).",
+       ("node", "pid", "process"), "cuda_api"),
+    _m("host_offcpu_seconds_total", COUNTER, "seconds", "Off-CPU time of a GPU process's threads (sched_switch).",
+       ("node", "pid", "process"), "cuda_api"),
+    _m("host_oom_kills_total", COUNTER, "", "Host OOM kills seen.", ("node",), "node"),
+    # --- Findings and the agent itself ------------------------------------------
+    _m("finding_active", GAUGE, "", "1 while a finding is open.", ("node", "kind", "severity", "gpu"), "finding"),
+    _m("agent_tick_seconds", GAUGE, "seconds", "Duration of the last collection tick by probe.", ("node", "probe"),
+       "agent"),
+    _m("agent_probe_errors_total", COUNTER, "", "Probe errors by probe and kind.", ("node", "probe", "kind"), "agent"),
+    _m("agent_dropped_events_total", COUNTER, "", "Events dropped (buffers full).", ("node", "probe"), "agent"),
+    _m("agent_store_write_seconds", GAUGE, "seconds", "Duration of the last store flush.", ("node",), "agent"),
+    _m("agent_store_errors_total", COUNTER, "", "Store write failures (disk full, read-only).", ("node", "kind"),
+       "agent"),
+    _m("agent_cpu_utilization_ratio", GAUGE, "ratio", "Agent CPU time per wall second.", ("node",), "agent"),
+    _m("agent_resident_memory_bytes", GAUGE, "bytes", "Agent resident set size.", ("node",), "agent"),
+)
+
+CATALOG: dict[str, Metric] = {m.column: m for m in METRICS}
+BY_NAME: dict[str, Metric] = {m.name: m for m in METRICS}
+if len(CATALOG) != len(METRICS):  # pragma: no cover - guards the table above
+    raise RuntimeError("duplicate column in the metric catalog")
+
+
+class _Columns(SimpleNamespace):
+    def __getattr__(self, item):  # only reached for names that do not exist
+        raise AttributeError(f"{item!r} is not in the metric catalog (gpudiag/catalog.py)")
+
+
+M = _Columns(**{m.column: m.column for m in METRICS})
+
+
+def get(column: str) -> Metric:
+    """The catalog entry for a frame column; KeyError names the column."""
+    try:
+        return CATALOG[column]
+    except KeyError:
+        raise KeyError(f"{column!r} is not in the metric catalog") from None
+
+
+def by_entity(entity: str) -> list[Metric]:
+    """Metrics of one entity kind, in catalog order."""
+    return [m for m in METRICS if m.entity == entity]

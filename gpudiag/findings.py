@@ -1,0 +1,115 @@
+"""Findings: what an analyzer concludes, with the evidence behind it.
+
+A Finding has a stable ``kind``, a severity, a time span, the entity it is
+about, a one-line summary, evidence rows (metric, observed, baseline,
+threshold), ``caused_by`` links to upstream findings, the runbook to read and
+the fixes that ``gpudiag repro --fix`` understands.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class Severity(str, Enum):
+    """How urgent a finding is; ordered critical > warning > info."""
+
+    CRITICAL = "critical"
+    WARNING = "warning"
+    INFO = "info"
+
+    @property
+    def rank(self) -> int:
+        """2 for critical, 1 for warning, 0 for info."""
+        return {"critical": 2, "warning": 1, "info": 0}[self.value]
+
+
+@dataclass
+class Evidence:
+    """One measured fact behind a finding: what was observed against what is normal."""
+
+    metric: str
+    observed: float | None
+    baseline: float | None = None
+    threshold: float | None = None
+    unit: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form (keys metric, observed, baseline, threshold, unit)."""
+        return {
+            "metric": self.metric,
+            "observed": _clean(self.observed),
+            "baseline": _clean(self.baseline),
+            "threshold": _clean(self.threshold),
+            "unit": self.unit,
+        }
+
+
+@dataclass
+class Finding:
+    """A diagnosis over a window, about one node/GPU (and optionally one process)."""
+
+    kind: str
+    severity: Severity
+    start_s: float
+    end_s: float
+    summary: str
+    gpu: int | None = None
+    node: str | None = None
+    pid: int | None = None
+    evidence: list[Evidence] = field(default_factory=list)
+    caused_by: list[str] = field(default_factory=list)
+    runbook: str = ""
+    fixes: list[str] = field(default_factory=list)
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def id(self) -> str:
+        """Stable id: kind, entity and start second; the same run gives the same ids."""
+        gpu = "x" if self.gpu is None else str(self.gpu)
+        pid = "" if self.pid is None else f"-p{self.pid}"
+        return f"{self.kind}-gpu{gpu}{pid}-{int(self.start_s)}"
+
+    def overlaps(self, other: "Finding", slack_s: float = 0.0) -> bool:
+        """True when the two time spans overlap (allowing ``slack_s`` of gap)."""
+        return self.start_s <= other.end_s + slack_s and other.start_s <= self.end_s + slack_s
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form documented in the README (the finding schema)."""
+        d = {
+            "id": self.id,
+            "kind": self.kind,
+            "severity": self.severity.value,
+            "start_s": _clean(self.start_s),
+            "end_s": _clean(self.end_s),
+            "node": self.node,
+            "gpu": self.gpu,
+            "pid": self.pid,
+            "summary": self.summary,
+            "evidence": [e.to_dict() for e in self.evidence],
+            "caused_by": list(self.caused_by),
+            "runbook": self.runbook,
+            "fixes": list(self.fixes),
+        }
+        if self.details:
+            d["details"] = {k: _clean(v) for k, v in self.details.items()}
+        return d
+
+
+def _clean(v):
+    """JSON-safe numbers: NaN/inf become None, floats rounded to 6 significant digits."""
+    if isinstance(v, float):
+        if math.isnan(v) or math.isinf(v):
+            return None
+        return float(f"{v:.6g}")
+    return v
+
+
+def worst_severity(findings: list[Finding]) -> Severity | None:
+    """The highest severity among findings, or None for an empty list."""
+    if not findings:
+        return None
+    return max((f.severity for f in findings), key=lambda s: s.rank)

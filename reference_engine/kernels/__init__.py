@@ -1,0 +1,1 @@
+"""Triton kernels of the reference engine, each with a pure-torch reference."""

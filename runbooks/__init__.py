@@ -1,0 +1,1 @@
+"""One Markdown runbook per alert, shipped as package data."""

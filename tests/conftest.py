@@ -1,0 +1,42 @@
+"""Shared test setup: the `gpu` marker skips without a GPU and says why."""
+
+import subprocess
+import sys
+
+import pytest
+
+
+def _gpu_reason() -> str | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        n = pynvml.nvmlDeviceGetCount()
+        pynvml.nvmlShutdown()
+        if n == 0:
+            return "NVML reports no GPU on this machine"
+        return None
+    except Exception as exc:  # NVML library absent or no driver
+        return f"no NVIDIA GPU/driver here (NVML: {exc.__class__.__name__}: {exc})"
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = None
+    checked = False
+    for item in items:
+        if "gpu" in item.keywords:
+            if not checked:
+                reason, checked = _gpu_reason(), True
+            if reason:
+                item.add_marker(pytest.mark.skip(reason=f"needs a GPU: {reason}"))
+
+
+@pytest.fixture
+def cli():
+    """Run ``gpudiag ARGS...`` as a real subprocess; returns the CompletedProcess (text mode)."""
+
+    def run(*args, timeout=600, env=None, input=None):
+        return subprocess.run([sys.executable, "-m", "gpudiag", *map(str, args)], capture_output=True,
+                              text=True, timeout=timeout, env=env, input=input)
+
+    return run
