@@ -113,3 +113,11 @@ def worst_severity(findings: list[Finding]) -> Severity | None:
     if not findings:
         return None
     return max((f.severity for f in findings), key=lambda s: s.rank)
+
+
+ALERT_PREFIX = "Gpudiag"
+
+
+def alert_name(kind: str) -> str:
+    """The alert (and runbook) name of a finding kind: kv_eviction_storm -> GpudiagKvEvictionStorm."""
+    return ALERT_PREFIX + "".join(part.capitalize() for part in kind.split("_"))
