@@ -100,11 +100,13 @@ class Finding:
 
 
 def _clean(v):
-    """JSON-safe numbers: NaN/inf become None, floats rounded to 6 significant digits."""
+    """JSON-safe numbers: NaN/inf become None; floats keep 6 decimals (µs for times, also Unix times)."""
     if isinstance(v, float):
         if math.isnan(v) or math.isinf(v):
             return None
-        return float(f"{v:.6g}")
+        return round(v, 6)
+    if hasattr(v, "item") and not isinstance(v, (str, bytes)):  # numpy scalars
+        return _clean(v.item())
     return v
 
 

@@ -1,5 +1,6 @@
 """Shared test setup: the `gpu` marker skips without a GPU and says why."""
 
+import os
 import subprocess
 import sys
 
@@ -21,6 +22,15 @@ def _gpu_reason() -> str | None:
 
 
 def pytest_collection_modifyitems(config, items):
+    # Triton's interpreter is switched on per process (TRITON_INTERPRET is read when
+    # triton is imported): its cases run in a subprocess of their own, the runner
+    # test only in the outer session.
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    drop = "interpreter_runner" if interpreted else "interpreter_only"
+    deselected = [it for it in items if drop in it.keywords]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [it for it in items if drop not in it.keywords]
     reason = None
     checked = False
     for item in items:

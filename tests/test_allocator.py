@@ -7,6 +7,9 @@ import pickle
 import random
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from gpudiag.reference_engine.allocator import (
     EXPANDABLE_PAGE_SIZE,
     GIB,
@@ -19,8 +22,6 @@ from gpudiag.reference_engine.allocator import (
     get_allocation_size,
     round_size,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 PAGE = EXPANDABLE_PAGE_SIZE
 

@@ -1,0 +1,1483 @@
+"""The agent's timeline store: frames and findings in one SQLite file (WAL), crash-safe.
+
+Layout
+------
+One table per frame kind (``frames_gpu``, ``frames_process``, ... for every
+kind in :data:`gpudiag.frames.FRAME_KINDS`). A table row is a *chunk*: the
+rows of that kind over a span of time, with ``t_start``/``t_end`` (indexed,
+for time-range reads), the ``node`` when the chunk holds one node, the row
+count and a compressed columnar block. Inside a block every row keeps its
+``t``, its labels (``node``, ``gpu``, ``uuid``, ``pid``, ``process``,
+``engine``, ...) and its catalog columns, so a block reads back as exactly
+the rows that were appended. A block describes its own columns, so a column
+new to the catalog needs no schema migration.
+
+Why chunks rather than one SQLite row per entity per tick: a node of 8 GPUs
+with 16 processes each produces about 180 rows and 1,400 values a second.
+Measured on the development machine with the frames of
+``bench/bench_exporter.py`` (8 GPUs x 16 processes, one of them with torch
+allocator stats, 1 s): a wide table per kind (one column per catalog column,
+labels interned into an entity id, indexed by time) takes about 250 MB per
+GPU-day; a narrow (t, entity, column, value) table about 650 MB; these chunks
+about 12 MB. SQLite spends a header byte and 1 to 8 payload bytes on every
+value plus per-row and index overhead, while a chunk stores each column once,
+grouped by entity, delta- or XOR-coded and deflated: a constant column costs
+almost nothing and a slowly moving one a byte or two per value. A read of a
+time range decodes whole columns with numpy, which is what a pandas DataFrame
+wants anyway (a 15-minute window of that node, 160,000 rows, in about 0.5 s).
+
+Writes: :meth:`Store.append` buffers frames; :meth:`Store.flush` (called by
+the agent every second) encodes them into one small *fresh* chunk per kind
+and commits them in one transaction. When a ``chunk_s`` interval (default
+300 s of frame time) is complete, its fresh chunks are merged into one
+*sealed* chunk, in its own transaction. Every change is a committed SQLite
+transaction in WAL mode, so a kill -9 loses at most the frames appended
+since the last flush and never leaves a half-written chunk; SQLite's WAL
+recovery runs on the next open.
+
+Failures: a full disk or a read-only store never raises into the caller.
+:meth:`flush` logs the failure once per kind (again after a recovery),
+counts it (:meth:`health`, exported as ``agent_store_errors_total``), keeps
+the encoded chunks in memory up to ``max_pending_bytes`` (dropping the
+oldest, counted) and writes them when the store is writable again.
+
+One writer per store: a sidecar lock file (``PATH.lock``, ``flock``) holds
+the writer's pid; a second writer is refused with a message naming it.
+Readers open the file read-only (``mode=ro``) and never take the lock; WAL
+lets them read while the writer writes, and the writer never waits for them.
+
+Retention: chunks older than ``retention_s`` before the newest frame are
+deleted, then the oldest chunks until the database is under ``max_bytes``
+(pages are returned to the file system with incremental vacuum).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import math
+import operator
+import os
+import sqlite3
+import struct
+import threading
+import time
+import zlib
+from collections import deque
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+import numpy as np
+import pandas as pd
+
+from gpudiag.catalog import CATALOG, M
+from gpudiag.errors import GpudiagError
+from gpudiag.frames import FRAME_KINDS, Frame, Window
+
+log = logging.getLogger("gpudiag.agent.store")
+
+SCHEMA_VERSION = 2
+DEFAULT_RETENTION_S = 7 * 86400.0
+DEFAULT_MAX_BYTES = 2 * 1024**3
+# Sealed chunks of 5 minutes: long enough that the per-entity first value of each
+# column (the only value a delta does not shrink) is amortised over 300 samples,
+# short enough that a 15-minute analyzer window decodes at most ~5 minutes it
+# does not need.
+DEFAULT_CHUNK_S = 300.0
+# Chunks kept in memory while the store cannot be written: fresh chunks of an 8-GPU,
+# 128-process node take ~7 kB a second, so 32 MiB holds over an hour of outage
+# within the agent's memory budget.
+DEFAULT_MAX_PENDING_BYTES = 32 * 1024**2
+# Unflushed frames are encoded early past this many rows, so a caller that stops
+# flushing cannot grow the buffer of Python dicts without bound.
+MAX_UNENCODED_ROWS = 20_000
+# Retention is checked from flush() at most this often (wall clock).
+RETENTION_CHECK_INTERVAL_S = 60.0
+# A store that could not be opened for writing is retried at most this often.
+REOPEN_INTERVAL_S = 10.0
+# Size retention deletes down to this fraction of max_bytes, so it does not run
+# again on the very next flush.
+SIZE_RETENTION_TARGET_RATIO = 0.9
+# The WAL is truncated back to this size after a checkpoint (it would otherwise
+# keep its high-water mark on disk).
+WAL_SIZE_LIMIT_BYTES = 8 * 1024**2
+# Sealed chunks are built at most this many intervals per flush, so catching up
+# after an outage does not stall one flush.
+MAX_SEALS_PER_FLUSH = 4
+
+_BLOCK_MAGIC = b"GDB1"
+# deflate levels: fresh chunks live minutes, sealed ones days. Level 6 is within 3 % of
+# level 9 on shuffled columns at a tenth of the time; lzma saves another ~20 % at 6x the
+# CPU of the whole store, which the agent's 1 %-of-a-core budget cannot spend.
+_LEVEL_FRESH, _LEVEL_SEALED = 1, 6
+_MAX_DECIMALS = 6  # decimal scales tried for floats (NVML gives mW, percent, MHz)
+_EXACT_INT_LIMIT = 2.0**53
+
+
+def _table(kind: str) -> str:
+    return f"frames_{kind}"
+
+
+# --- the columnar block codec ----------------------------------------------------------
+#
+# A block is MAGIC | u32 header length | deflate(header JSON + column payloads).
+# Rows are stored grouped by entity (stable, so time order holds inside an entity)
+# with the permutation that restores the appended order. Column codecs:
+#   int    int64: first differences divided by their greatest common divisor
+#          (counters, bytes in pages or MiB, pids)
+#   dec    float64 within a few ulps of k / 10**scale: the integers k (as int), the
+#          ulp residuals and a NaN bitmap (ratios from percent, watts from mW)
+#   xor    other float64: IEEE bits XOR the previous value's bits
+#   bool   uint8
+#   str    dictionary of strings + int32 codes (-1 = None)
+#   dict   dicts of numbers (the multi-label metrics): each row's key layout as a
+#          code into a list of layouts, each leaf a numeric column of its own
+#   json   dictionary of JSON texts + int32 codes (anything else)
+#   null   no payload, every value None
+#   raw    numbers as they are, and objects as one JSON list: fresh chunks only, which must be cheap to write every
+#          second and are re-encoded with the codecs above when sealed
+# Numeric payloads are byte-shuffled (all first bytes, then all second bytes, ...)
+# so that deflate sees long runs of equal high-order bytes. Every codec is lossless.
+
+
+def _shuffle(a: np.ndarray) -> bytes:
+    return np.ascontiguousarray(a).view(np.uint8).reshape(-1, a.dtype.itemsize).T.tobytes()
+
+
+def _unshuffle(b: bytes, dtype, n: int) -> np.ndarray:
+    item = np.dtype(dtype).itemsize
+    raw = np.frombuffer(b, dtype=np.uint8).reshape(item, n).T
+    return np.ascontiguousarray(raw).view(dtype).reshape(n)
+
+
+def _deltas(a: np.ndarray) -> np.ndarray:
+    out = np.empty_like(a)
+    if len(a):
+        out[0] = a[0]
+        np.subtract(a[1:], a[:-1], out=out[1:])  # wraps in int64; cumsum wraps back
+    return out
+
+
+_WIDTHS = (np.int8, np.int16, np.int32)
+
+
+def _narrow(a: np.ndarray) -> np.ndarray:
+    """The integers in the narrowest signed type that holds them (fewer bytes for deflate to chew)."""
+    if not len(a):
+        return a.astype(np.int8)
+    lo, hi = int(a.min()), int(a.max())
+    for dtype in _WIDTHS:
+        info = np.iinfo(dtype)
+        if info.min <= lo and hi <= info.max:
+            return a.astype(dtype)
+    return a.astype(np.int64, copy=False)
+
+
+def _encode_ints(a: np.ndarray) -> tuple[dict, list[bytes]]:
+    d = _deltas(a.astype(np.int64, copy=False))
+    g = int(np.gcd.reduce(d)) if len(d) else 1
+    meta: dict[str, Any] = {"codec": "int"}
+    if g > 1:
+        d = d // g
+        meta["gcd"] = g
+    d = _narrow(d)
+    meta["width"] = d.dtype.itemsize
+    return meta, [_shuffle(d)]
+
+
+def _decode_ints(meta: dict, part: bytes, n: int) -> np.ndarray:
+    d = _unshuffle(part, np.dtype(f"<i{meta['width']}"), n).astype(np.int64)
+    if "gcd" in meta:
+        d = d * meta["gcd"]
+    return np.cumsum(d, dtype=np.int64)
+
+
+_MAX_RESIDUAL_ULPS = 4  # k / 10**s computed another way (33.3 / 100) lands a few ulps off
+
+
+def _decimal_fit(vals: np.ndarray) -> tuple[int, np.ndarray, np.ndarray] | None:
+    """Smallest scale s <= 6 with vals within a few ulps of k / 10**s: (s, k, ulp residuals), or None."""
+    if not np.isfinite(vals).all() or (np.signbit(vals) & (vals == 0)).any():  # -0.0: integers have no sign
+        return None
+    for s in range(_MAX_DECIMALS + 1):
+        m = 10.0**s
+        k = np.round(vals * m)
+        if len(k) and np.abs(k).max() >= _EXACT_INT_LIMIT:
+            return None
+        resid = vals.view(np.int64) - (k / m if s else k).view(np.int64)
+        # min/max, not abs: abs(INT64_MIN) (-0.0 against +0.0) overflows to a negative number.
+        if not len(resid) or (resid.min() >= -_MAX_RESIDUAL_ULPS and resid.max() <= _MAX_RESIDUAL_ULPS):
+            return s, k.astype(np.int64), resid.astype(np.int8)
+    return None
+
+
+def _encode_floats(a: np.ndarray) -> tuple[dict, list[bytes]]:
+    a = a.astype(np.float64, copy=False)
+    n = len(a)
+    nan = np.isnan(a)
+    fit = _decimal_fit(a[~nan])
+    if fit is None:
+        bits = a.view(np.uint64)
+        x = bits.copy()
+        x[1:] ^= bits[:-1]
+        return {"codec": "xor"}, [_shuffle(x)]
+    scale, k_present, resid_present = fit
+    k = np.zeros(n, dtype=np.int64)
+    k[~nan] = k_present
+    meta, parts = _encode_ints(k)
+    meta.update(codec="dec", scale=scale, nan=bool(nan.any()), resid=bool(resid_present.any()))
+    if meta["resid"]:
+        resid = np.zeros(n, dtype=np.int8)
+        resid[~nan] = resid_present
+        parts.append(resid.tobytes())
+    if meta["nan"]:
+        parts.append(np.packbits(nan).tobytes())
+    return meta, parts
+
+
+def _decode_floats(meta: dict, parts: list[bytes], n: int) -> np.ndarray:
+    if meta["codec"] == "xor":
+        return np.bitwise_xor.accumulate(_unshuffle(parts[0], np.uint64, n)).view(np.float64)
+    k = _decode_ints(meta, parts[0], n).astype(np.float64)
+    a = k / 10.0 ** meta["scale"] if meta["scale"] else k
+    i = 1
+    if meta["resid"]:
+        a = (a.view(np.int64) + np.frombuffer(parts[i], dtype=np.int8)).view(np.float64)
+        i += 1
+    if meta["nan"]:
+        a[np.unpackbits(np.frombuffer(parts[i], dtype=np.uint8), count=n).astype(bool)] = np.nan
+    return a
+
+
+class _DictColumn:
+    """A column of dicts of numbers, flattened: a layout code per row and one array per leaf.
+
+    ``layouts`` lists each distinct key layout (a tuple of leaf paths, a path a
+    tuple of keys); ``codes[i]`` is row i's layout (-1 for None); ``leaves[path]``
+    holds the leaf's value per row (NaN where the row's layout lacks it);
+    ``int_paths`` are the leaves whose values were all integers.
+    """
+
+    __slots__ = ("codes", "int_paths", "layouts", "leaves")
+
+    def __init__(self, layouts, codes, leaves, int_paths):
+        self.layouts: list[tuple[tuple, ...]] = layouts
+        self.codes: np.ndarray = codes
+        self.leaves: dict[tuple, np.ndarray] = leaves
+        self.int_paths: set[tuple] = int_paths
+
+    def __len__(self) -> int:
+        return len(self.codes)
+
+    def take(self, index: np.ndarray) -> _DictColumn:
+        """Rows at ``index`` (a permutation or a boolean mask)."""
+        return _DictColumn(self.layouts, self.codes[index], {p: v[index] for p, v in self.leaves.items()},
+                           self.int_paths)
+
+    @classmethod
+    def from_values(cls, values: list) -> _DictColumn | None:
+        """Flatten dicts of numbers (nested dicts allowed); None when a value does not fit."""
+        layouts: dict[tuple, int] = {}
+        codes = np.empty(len(values), dtype=np.int32)
+        leaf_values: dict[tuple, list] = {}
+        for i, v in enumerate(values):
+            if v is None:
+                codes[i] = -1
+                continue
+            flat: list[tuple[tuple, Any]] = []
+            if not isinstance(v, dict) or not _flatten(v, (), flat):
+                return None
+            layout = tuple(p for p, _ in flat)
+            codes[i] = layouts.setdefault(layout, len(layouts))
+            for path, x in flat:
+                column = leaf_values.get(path)
+                if column is None:
+                    column = leaf_values[path] = [None] * len(values)
+                column[i] = x
+        leaves, ints = {}, set()
+        for path, column in leaf_values.items():
+            present = [x for x in column if x is not None]
+            if all(isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) for x in present):
+                ints.add(path)
+            leaves[path] = np.array([np.nan if x is None else float(x) for x in column], dtype=np.float64)
+        return cls(list(layouts), codes, leaves, ints)
+
+    @classmethod
+    def concat(cls, parts: list[_DictColumn | None], sizes: list[int]) -> _DictColumn:
+        """Concatenate (None parts are rows without the column)."""
+        layouts: dict[tuple, int] = {}
+        codes, all_paths = [], {}
+        for part, n in zip(parts, sizes):
+            if part is None:
+                codes.append(np.full(n, -1, dtype=np.int32))
+                continue
+            remap = np.array([layouts.setdefault(layout, len(layouts)) for layout in part.layouts] + [-1],
+                             dtype=np.int32)
+            codes.append(remap[part.codes])
+            for p in part.leaves:
+                all_paths.setdefault(p, None)
+        holders = [part for part in parts if part is not None]
+        int_paths = {p for p in all_paths if all(p in h.int_paths for h in holders if p in h.leaves)}
+        leaves = {p: np.concatenate([part.leaves[p] if part is not None and p in part.leaves else np.full(n, np.nan)
+                                     for part, n in zip(parts, sizes)]) for p in all_paths}
+        return cls(list(layouts), np.concatenate(codes), leaves, int_paths)
+
+    def to_objects(self) -> np.ndarray:
+        """The column as an object array of (nested) dicts and None."""
+        out = np.empty(len(self.codes), dtype=object)
+        out[:] = None
+        for code, layout in enumerate(self.layouts):
+            rows = np.nonzero(self.codes == code)[0]
+            if not len(rows):
+                continue
+            columns = []
+            for path in layout:
+                vals = self.leaves[path][rows]
+                if path in self.int_paths:
+                    nan = np.isnan(vals)
+                    vals = vals.astype(np.int64).tolist() if not nan.any() else [
+                        None if missing else int(x) for x, missing in zip(vals.tolist(), nan.tolist())]
+                else:
+                    vals = vals.tolist()
+                columns.append(vals)
+            if not any(len(p) > 1 for p in layout):
+                keys = [p[0] for p in layout]
+                out[rows] = [dict(zip(keys, values)) for values in zip(*columns)] if columns else [
+                    {} for _ in range(len(rows))]
+                continue
+            objs = []
+            for values in zip(*columns):
+                d: dict = {}
+                for path, x in zip(layout, values):
+                    node = d
+                    for key in path[:-1]:
+                        node = node.setdefault(key, {})
+                    node[path[-1]] = x
+                objs.append(d)
+            out[rows] = objs
+        return out
+
+
+_KEY_TYPES = (str, int, float, bool)
+
+
+def _flatten(d: dict, prefix: tuple, out: list) -> bool:
+    """Leaf (path, value) pairs of a dict of numbers; False for anything else (or an empty nested dict)."""
+    for key, v in d.items():
+        if not isinstance(key, _KEY_TYPES):
+            return False
+        path = prefix + (key,)
+        if isinstance(v, dict):
+            if not v or not _flatten(v, path, out):
+                return False
+        elif v is None or isinstance(v, (int, float, np.integer, np.floating)):
+            out.append((path, v))
+        else:
+            return False
+    return True
+
+
+def _json_text(v) -> str | None:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return None
+    return json.dumps(v, separators=(",", ":"), sort_keys=True, default=str)
+
+
+def _encode_column(a, *, sealed: bool) -> tuple[dict, list[bytes]]:
+    """(meta, payload parts) of one column; meta["sizes"] lists the parts it owns directly."""
+    if not sealed and isinstance(a, np.ndarray) and a.dtype.kind in "biuf":
+        return {"codec": "raw", "dtype": a.dtype.str, "sizes": [a.nbytes]}, [a.tobytes()]
+    if not sealed and isinstance(a, np.ndarray) and a.dtype == object:
+        text = json.dumps(a.tolist(), separators=(",", ":"), default=str).encode()
+        return {"codec": "jsonlist", "sizes": [len(text)]}, [text]
+    if isinstance(a, _DictColumn):
+        meta = {"codec": "dict", "layouts": [[list(p) for p in layout] for layout in a.layouts], "leaves": []}
+        codes = _narrow(a.codes)
+        meta["width"] = codes.dtype.itemsize
+        parts = [_shuffle(codes)]
+        meta["sizes"] = [len(parts[0])]
+        for path, values in a.leaves.items():
+            leaf, leaf_parts = _encode_floats(values)
+            leaf.update(path=list(path), ints=path in a.int_paths, sizes=[len(p) for p in leaf_parts])
+            meta["leaves"].append(leaf)
+            parts += leaf_parts
+        return meta, parts
+    meta, parts = _encode_plain(a)
+    meta["sizes"] = [len(p) for p in parts]
+    return meta, parts
+
+
+def _encode_plain(a: np.ndarray) -> tuple[dict, list[bytes]]:
+    kind = a.dtype.kind
+    if kind == "b":
+        return {"codec": "bool"}, [a.astype(np.uint8).tobytes()]
+    if kind in "iu":
+        return _encode_ints(a)
+    if kind == "f":
+        return _encode_floats(a)
+    try:
+        codes, uniques = pd.factorize(a, use_na_sentinel=True)
+        uniques = list(uniques)
+    except TypeError:  # unhashable values (lists, dicts of strings)
+        uniques = [None]
+    if not uniques:
+        return {"codec": "null"}, []
+    if all(isinstance(u, str) for u in uniques):
+        codes = _narrow(codes)
+        return {"codec": "str", "values": uniques, "width": codes.dtype.itemsize}, [_shuffle(codes)]
+    texts = [_json_text(v) for v in a]
+    codes, uniques = pd.factorize(np.array(texts, dtype=object), use_na_sentinel=True)
+    codes = _narrow(codes)
+    return {"codec": "json", "values": list(uniques), "width": codes.dtype.itemsize}, [_shuffle(codes)]
+
+
+class _Cursor:
+    def __init__(self, body: bytes, pos: int):
+        self.body, self.pos = body, pos
+
+    def take(self, size: int) -> bytes:
+        part = self.body[self.pos:self.pos + size]
+        self.pos += size
+        return part
+
+
+def _decode_column(meta: dict, cur: _Cursor, n: int):
+    codec = meta["codec"]
+    parts = [cur.take(size) for size in meta["sizes"]]
+    if codec == "dict":
+        codes = _unshuffle(parts[0], np.dtype(f"<i{meta['width']}"), n).astype(np.int32)
+        leaves, ints = {}, set()
+        for leaf in meta["leaves"]:
+            path = tuple(leaf["path"])
+            leaves[path] = _decode_floats(leaf, [cur.take(size) for size in leaf["sizes"]], n)
+            if leaf["ints"]:
+                ints.add(path)
+        layouts = [tuple(tuple(p) for p in layout) for layout in meta["layouts"]]
+        return _DictColumn(layouts, codes, leaves, ints)
+    if codec == "raw":
+        return np.frombuffer(parts[0], dtype=np.dtype(meta["dtype"])).copy()
+    if codec == "jsonlist":
+        return _objects(json.loads(parts[0]))
+    if codec == "bool":
+        return np.frombuffer(parts[0], dtype=np.uint8).astype(bool)
+    if codec == "int":
+        return _decode_ints(meta, parts[0], n)
+    if codec in ("dec", "xor"):
+        return _decode_floats(meta, parts, n)
+    out = np.empty(n, dtype=object)
+    if codec == "null":
+        out[:] = None
+        return out
+    values = meta["values"] if codec == "str" else [json.loads(v) for v in meta["values"]]
+    lookup = np.empty(len(values) + 1, dtype=object)
+    lookup[:-1] = values
+    lookup[-1] = None
+    return lookup[_unshuffle(parts[0], np.dtype(f"<i{meta['width']}"), n)]
+
+
+def _entity_order(columns: dict, n: int) -> np.ndarray | None:
+    """Permutation grouping rows by entity (the non-catalog columns), or None when it would not help."""
+    labels = [c for c in columns if c != "t" and c not in CATALOG and isinstance(columns[c], np.ndarray)]
+    if not labels or n < 3:
+        return None
+    key = np.zeros(n, dtype=np.int64)
+    groups = 1
+    for c in labels:
+        try:
+            codes, uniques = pd.factorize(columns[c], use_na_sentinel=False)
+        except TypeError:  # unhashable values: not an entity label
+            continue
+        key = key * max(len(uniques), 1) + codes
+        groups *= max(len(uniques), 1)
+        if groups > 2**40:  # keep the mixed-radix key inside int64
+            key, uniques = pd.factorize(key)
+            groups = len(uniques)
+    distinct = len(np.unique(key))
+    if distinct <= 1 or distinct == n:  # one entity, or one row per entity (finished requests)
+        return None
+    return np.argsort(key, kind="stable")
+
+
+def encode_block(columns: dict, n: int, *, sealed: bool = True) -> bytes:
+    """Encode ``n`` rows given as columns (numpy arrays, or flattened dict columns) into one block.
+
+    ``sealed=False`` writes a fresh block: cheap codecs, fast deflate, rows in
+    their appended order.
+    """
+    if sealed:
+        columns = {k: _flat_dicts(v) for k, v in columns.items()}
+    order = _entity_order(columns, n) if sealed else None
+    header: dict[str, Any] = {"n": n, "columns": []}
+    payload: list[bytes] = []
+    if order is not None:
+        meta, parts = _encode_ints(order)
+        header["order"] = meta | {"sizes": [len(p) for p in parts]}
+        payload += parts
+    for name, a in columns.items():
+        if order is not None:
+            a = a.take(order) if isinstance(a, _DictColumn) else a[order]
+        meta, parts = _encode_column(a, sealed=sealed)
+        meta["name"] = name
+        header["columns"].append(meta)
+        payload += parts
+    head = json.dumps(header, separators=(",", ":")).encode()
+    body = zlib.compress(head + b"".join(payload), _LEVEL_SEALED if sealed else _LEVEL_FRESH)
+    return _BLOCK_MAGIC + struct.pack("<I", len(head)) + body
+
+
+def decode_block(block: bytes, *, raw: bool = False) -> tuple[int, dict]:
+    """Decode a block into (row count, {column: array}) in the order the rows were appended.
+
+    Dict columns come back as object arrays of dicts, or flattened when ``raw``
+    (for merging blocks without building the dicts).
+    """
+    if block[:4] != _BLOCK_MAGIC:
+        raise ValueError("not a gpudiag frame block")
+    (head_len,) = struct.unpack("<I", block[4:8])
+    body = zlib.decompress(block[8:])
+    header = json.loads(body[:head_len])
+    n = header["n"]
+    cur = _Cursor(body, head_len)
+    inverse = None
+    if "order" in header:
+        order = _decode_ints(header["order"], cur.take(header["order"]["sizes"][0]), n)
+        inverse = np.empty(n, dtype=np.int64)
+        inverse[order] = np.arange(n)
+    columns: dict = {}
+    for meta in header["columns"]:
+        a = _decode_column(meta, cur, n)
+        if inverse is not None:
+            a = a.take(inverse) if isinstance(a, _DictColumn) else a[inverse]
+        if isinstance(a, _DictColumn) and not raw:
+            a = a.to_objects()
+        columns[meta["name"]] = a
+    return n, columns
+
+
+def _flat_dicts(a):
+    """An object column of dicts of numbers as a flattened dict column; anything else unchanged."""
+    if isinstance(a, np.ndarray) and a.dtype == object:
+        for v in a.tolist():
+            if v is not None:
+                if isinstance(v, dict):
+                    flat = _DictColumn.from_values(a.tolist())
+                    return a if flat is None else flat
+                break
+    return a
+
+
+def _array(values: list) -> np.ndarray:
+    """A column as numpy: int64, float64 (None as NaN), bool or object (strings, dicts, mixed)."""
+    try:
+        a = np.array(values)
+    except (ValueError, OverflowError, TypeError):
+        a = None
+    # numpy's own inference is the fast path for the common all-number and all-string
+    # columns; None, dicts and mixtures fall through to the explicit classification.
+    if a is not None and a.ndim == 1 and len(a) == len(values):
+        if a.dtype.kind == "i":
+            return a.astype(np.int64, copy=False)
+        if a.dtype.kind == "f":
+            return a.astype(np.float64, copy=False)
+        if a.dtype.kind == "b":
+            return a
+        if a.dtype.kind == "U" and all(type(v) is str for v in values):
+            return a.astype(object)
+    has_none = has_float = has_int = has_bool = has_other = False
+    for v in values:
+        if v is None:
+            has_none = True
+        elif isinstance(v, (bool, np.bool_)):
+            has_bool = True
+        elif isinstance(v, (int, np.integer)):
+            has_int = True
+        elif isinstance(v, (float, np.floating)):
+            has_float = True
+        else:  # strings, dicts (flattened when sealed), lists
+            has_other = True
+    if has_other or (has_bool and (has_int or has_float or has_none)):
+        return _objects(values)
+    if has_bool:
+        return np.array(values, dtype=bool)
+    if has_int and not has_float and not has_none:
+        try:
+            return np.array(values, dtype=np.int64)
+        except OverflowError:  # an integer beyond int64 stays exact as an object
+            return _objects(values)
+    if not has_int and not has_float:  # all None
+        return _objects(values)
+    return np.array([np.nan if v is None else v for v in values], dtype=np.float64)
+
+
+def _objects(values: list) -> np.ndarray:
+    a = np.empty(len(values), dtype=object)
+    a[:] = values
+    return a
+
+
+def _columns_from_frames(frames: list[Frame]) -> tuple[int, dict]:
+    """Rows of frames of one kind as columns; a row's own ``t`` wins over the frame's, as in Window."""
+    rows: list[dict] = []
+    ts: list[float] = []
+    for fr in frames:
+        rows.extend(fr.rows)
+        ts.extend([fr.t] * len(fr.rows))
+    n = len(rows)
+    # Rows of one probe share their keys: transpose each group of same-keyed rows in C
+    # (itemgetter + zip) instead of looking every value up column by column.
+    groups: dict[tuple, list[int]] = {}
+    for i, r in enumerate(rows):
+        groups.setdefault(tuple(r), []).append(i)
+    names: dict[str, None] = {"t": None}
+    for keys in groups:
+        names.update(dict.fromkeys(keys))
+    if len(groups) == 1:
+        (keys,) = groups
+        values = _transpose(rows, keys)
+    else:
+        values = {}
+        for keys, idx in groups.items():
+            sub = _transpose([rows[i] for i in idx], keys)
+            for k, vals in sub.items():
+                col = values.get(k)
+                if col is None:
+                    col = values[k] = np.full(n, None, dtype=object)
+                col[idx] = _objects(vals)
+        values = {k: v.tolist() for k, v in values.items()}
+    if "t" in values:  # a row's own t
+        own = values.pop("t")
+        ts = [fr_t if v is None else v for fr_t, v in zip(ts, own)]
+    columns: dict = {"t": np.asarray(ts, dtype=np.float64)}
+    for name in names:
+        if name != "t":
+            columns[name] = _array(values[name])
+    return n, columns
+
+
+def _transpose(rows: list[dict], keys: tuple) -> dict[str, list]:
+    if not keys:
+        return {}
+    if len(keys) == 1:
+        return {keys[0]: [r[keys[0]] for r in rows]}
+    return dict(zip(keys, (list(col) for col in zip(*map(operator.itemgetter(*keys), rows)))))
+
+
+def _concat_columns(blocks: list[tuple[int, dict]]) -> tuple[int, dict]:
+    """Concatenate decoded (raw) blocks, filling columns a block lacks with NaN/None."""
+    names: dict[str, None] = {}
+    for _, cols in blocks:
+        for k in cols:
+            names.setdefault(k, None)
+    sizes = [n for n, _ in blocks]
+    total = sum(sizes)
+    out: dict = {}
+    for name in names:
+        parts = [cols.get(name) for _, cols in blocks]
+        present = [p for p in parts if p is not None]
+        if all(isinstance(p, _DictColumn) for p in present):
+            out[name] = _DictColumn.concat(parts, sizes)
+            continue
+        parts = [p.to_objects() if isinstance(p, _DictColumn) else p for p in parts]
+        kinds = {p.dtype.kind for p in parts if p is not None}
+        if len(present) == len(parts) and len(kinds) == 1:
+            out[name] = np.concatenate(parts)
+        elif kinds <= {"i", "u", "f"}:
+            out[name] = np.concatenate([p.astype(np.float64) if p is not None else np.full(n, np.nan)
+                                        for p, n in zip(parts, sizes)])
+        else:
+            merged = np.empty(total, dtype=object)
+            pos = 0
+            for p, n in zip(parts, sizes):
+                if p is None:
+                    merged[pos:pos + n] = None
+                elif p.dtype.kind == "f":
+                    merged[pos:pos + n] = [None if math.isnan(v) else v for v in p.tolist()]
+                else:
+                    merged[pos:pos + n] = p.tolist()
+                pos += n
+            out[name] = merged
+    return total, out
+
+
+def _uniform_node(columns: dict) -> str | None:
+    nodes = columns.get("node")
+    if not isinstance(nodes, np.ndarray) or nodes.dtype != object or not len(nodes):
+        return None
+    first = nodes[0]
+    if isinstance(first, str) and (nodes == first).all():
+        return first
+    return None
+
+
+@dataclass
+class _Chunk:
+    """An encoded chunk not yet committed (written at the next successful flush)."""
+
+    kind: str
+    t_start: float
+    t_end: float
+    node: str | None
+    n_rows: int
+    block: bytes
+
+
+# --- schema and migrations ----------------------------------------------------------------
+
+
+def _create_kind_table(conn: sqlite3.Connection, kind: str) -> None:
+    t = _table(kind)
+    conn.execute(f"CREATE TABLE IF NOT EXISTS {t} (t_start REAL NOT NULL, t_end REAL NOT NULL, node TEXT,"
+                 " n_rows INTEGER NOT NULL, sealed INTEGER NOT NULL, data BLOB NOT NULL)")
+    conn.execute(f"CREATE INDEX IF NOT EXISTS {t}_t_end ON {t} (t_end, t_start)")
+    conn.execute(f"CREATE INDEX IF NOT EXISTS {t}_fresh ON {t} (t_start) WHERE sealed = 0")
+
+
+def _migration_1_initial(conn: sqlite3.Connection) -> None:
+    for kind in FRAME_KINDS:
+        _create_kind_table(conn, kind)
+    conn.execute("CREATE TABLE IF NOT EXISTS findings (id TEXT PRIMARY KEY, kind TEXT NOT NULL,"
+                 " severity TEXT NOT NULL, start_s REAL NOT NULL, end_s REAL, json TEXT NOT NULL)")
+    conn.execute("CREATE INDEX IF NOT EXISTS findings_time ON findings (start_s, end_s)")
+
+
+def _migration_2_findings_entity(conn: sqlite3.Connection) -> None:
+    # Findings are looked up by GPU (the exporter's active findings per GPU, `investigate
+    # --gpu`): the entity moves out of the JSON into indexed columns, backfilled.
+    conn.execute("ALTER TABLE findings ADD COLUMN node TEXT")
+    conn.execute("ALTER TABLE findings ADD COLUMN gpu INTEGER")
+    conn.execute("UPDATE findings SET node = json_extract(json, '$.node'), gpu = json_extract(json, '$.gpu')")
+    conn.execute("CREATE INDEX IF NOT EXISTS findings_gpu ON findings (gpu, end_s)")
+
+
+MIGRATIONS: tuple[tuple[int, str, Any], ...] = (
+    (1, "initial", _migration_1_initial),
+    (2, "findings_entity", _migration_2_findings_entity),
+)
+assert MIGRATIONS[-1][0] == SCHEMA_VERSION
+
+
+def _error_kind(exc: BaseException) -> str:
+    """The store-errors counter label of a failure: disk_full, read_only, io, busy, corrupt or other."""
+    if isinstance(exc, sqlite3.Error):
+        code = getattr(exc, "sqlite_errorcode", None)
+        primary = code & 0xFF if isinstance(code, int) else None
+        text = str(exc).lower()
+        if primary == 13 or "disk is full" in text:
+            return "disk_full"
+        if primary in (8, 3, 23) or "readonly" in text or "read-only" in text:
+            return "read_only"
+        if primary == 14:  # SQLITE_CANTOPEN: the directory refuses the -wal/-shm files
+            return "read_only"
+        if primary in (5, 6):
+            return "busy"
+        if primary in (11, 26):
+            return "corrupt"
+        if primary == 10:
+            return "io"
+        return "other"
+    if isinstance(exc, OSError):
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return "disk_full"
+        if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            return "read_only"
+        return "io"
+    return "other"
+
+
+class Store:
+    """A gpudiag timeline store (see the module docstring). Create it with :meth:`Store.open`."""
+
+    def __init__(self, path: str, *, readonly: bool, retention_s: float, max_bytes: int, chunk_s: float,
+                 max_pending_bytes: int):
+        self.path = os.path.abspath(path)
+        self.readonly = readonly
+        self.retention_s = float(retention_s)
+        self.max_bytes = int(max_bytes)
+        self.chunk_s = float(chunk_s)
+        self.max_pending_bytes = int(max_pending_bytes)
+        self._conn: sqlite3.Connection | None = None
+        self._lock_fd: int | None = None
+        self._mutex = threading.RLock()
+        self._unencoded: list[Frame] = []
+        self._unencoded_rows = 0
+        self._backlog: deque[_Chunk] = deque()
+        self._backlog_bytes = 0
+        self._pending_findings: dict[str, dict] = {}
+        self._errors: dict[str, int] = {}
+        self._logged: set[str] = set()
+        self._last_error: str | None = None
+        self._last_error_kind = "other"
+        self._schema_version = 0
+        self._dropped_rows = 0
+        self._last_flush_s: float | None = None
+        self._last_retention = 0.0
+        self._last_reopen = 0.0
+        self._oldest_fresh: dict[str, float | None] = {}
+        self._newest: dict[str, float | None] = {}
+        self._closed = False
+
+    # -- opening ---------------------------------------------------------------------------
+    @classmethod
+    def open(cls, path: str, *, readonly: bool = False, retention_s: float = DEFAULT_RETENTION_S,
+             max_bytes: int = DEFAULT_MAX_BYTES, chunk_s: float = DEFAULT_CHUNK_S,
+             max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES) -> Store:
+        """Open (and for writing, create or migrate) the store at ``path``.
+
+        For writing: takes the writer lock (GpudiagError naming the other agent's
+        pid when it is held) and applies pending schema migrations. A store that
+        cannot be written (read-only file system, permissions, disk full) does not
+        raise: the store is returned degraded, counts the failure in
+        :meth:`health`, buffers and retries. For reading (``readonly=True``): a
+        missing, empty, corrupt or foreign file raises GpudiagError (one line).
+        """
+        if retention_s <= 0 or max_bytes <= 0 or chunk_s <= 0:
+            raise GpudiagError("store retention_s, max_bytes and chunk_s must be positive")
+        store = cls(path, readonly=readonly, retention_s=retention_s, max_bytes=max_bytes, chunk_s=chunk_s,
+                    max_pending_bytes=max_pending_bytes)
+        if readonly:
+            store._open_reader()
+        else:
+            store._open_writer(first=True)
+        return store
+
+    def _open_reader(self) -> None:
+        path = self.path
+        if not os.path.exists(path):
+            raise GpudiagError(f"store {path} does not exist (an agent creates it: gpudiag agent --store {path})")
+        if os.path.isdir(path):
+            raise GpudiagError(f"store {path} is a directory, not a store file")
+        if os.path.getsize(path) == 0:
+            raise GpudiagError(f"store {path} is empty: not a gpudiag store")
+        uri = f"file:{quote(path)}?mode=ro"
+        try:
+            conn = self._connect(uri)
+            try:
+                self._check_schema(conn, writable=False)
+            except sqlite3.OperationalError as exc:
+                if "unable to open" not in str(exc) or os.path.exists(path + "-wal"):
+                    raise
+                # No -shm can be created next to a store on a read-only medium and no WAL is
+                # pending: nothing can change the file while we read it.
+                conn.close()
+                conn = self._connect(f"file:{quote(path)}?mode=ro&immutable=1")
+                self._check_schema(conn, writable=False)
+        except sqlite3.DatabaseError as exc:
+            raise GpudiagError(f"store {path} is not a readable gpudiag store: {exc}") from None
+        self._conn = conn
+        self._schema_version = int(self.meta().get("schema_version", 0))
+
+    @staticmethod
+    def _connect(target: str) -> sqlite3.Connection:
+        conn = sqlite3.connect(target, uri=target.startswith("file:"), isolation_level=None,
+                               check_same_thread=False, timeout=5.0)
+        return conn
+
+    def _check_schema(self, conn: sqlite3.Connection, *, writable: bool) -> int:
+        """The store's schema version (0 for a brand-new file); GpudiagError for a foreign or newer file."""
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if not tables:
+            if writable:
+                return 0
+            raise GpudiagError(f"store {self.path} holds no tables: not a gpudiag store")
+        if "meta" not in tables:
+            raise GpudiagError(f"{self.path} is an SQLite file but not a gpudiag store (no meta table)")
+        row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        try:
+            version = int(row[0])
+        except (TypeError, ValueError):
+            raise GpudiagError(f"{self.path} is not a gpudiag store (no schema_version)") from None
+        if version > SCHEMA_VERSION:
+            raise GpudiagError(f"store {self.path} has schema {version}, newer than this gpudiag reads "
+                               f"({SCHEMA_VERSION}); upgrade gpudiag")
+        return version
+
+    def _take_lock(self) -> None:
+        lock_path = self.path + ".lock"
+        try:
+            # O_NOFOLLOW: the agent may run as root; a planted link must not redirect the pid write.
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise GpudiagError(f"store lock {lock_path} is a symbolic link; refusing to use it") from None
+            if _error_kind(exc) != "read_only" or not os.path.exists(lock_path):
+                raise
+            # The directory refuses new files; an existing lock file can still be locked read-only.
+            fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                pid = os.pread(fd, 32, 0).decode().strip() or "unknown"
+            finally:
+                os.close(fd)
+            raise GpudiagError(f"store {self.path} is in use by another agent (pid {pid})") from None
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError:
+            pass  # a read-only lock file still locks; the pid is informational
+        self._lock_fd = fd
+
+    def _open_writer(self, *, first: bool) -> bool:
+        """Lock, connect, migrate. True when writable; False (counted, logged) when not."""
+        self._last_reopen = time.monotonic()
+        try:
+            directory = os.path.dirname(self.path)
+            if not os.path.isdir(directory):
+                os.makedirs(directory, exist_ok=True)
+            if self._lock_fd is None:
+                self._take_lock()
+            conn = self._connect(self.path)
+            try:
+                self._prepare(conn)
+            except BaseException:
+                conn.close()
+                raise
+        except GpudiagError:
+            raise
+        except (sqlite3.DatabaseError, OSError) as exc:
+            kind = _error_kind(exc)
+            if kind in ("corrupt", "other") and isinstance(exc, sqlite3.DatabaseError):
+                self._release_lock()
+                raise GpudiagError(f"store {self.path} is not a writable gpudiag store: {exc}") from None
+            self._failed(kind, exc, "cannot open the store for writing")
+            return False
+        self._conn = conn
+        self._load_spans()
+        if not first:
+            self._recovered()
+        return True
+
+    def _prepare(self, conn: sqlite3.Connection) -> None:
+        version = self._check_schema(conn, writable=True)
+        self._schema_version = SCHEMA_VERSION
+        if version == 0:
+            # Only an empty database can change these; incremental auto-vacuum lets size
+            # retention hand pages back to the file system.
+            conn.execute("PRAGMA auto_vacuum = INCREMENTAL")
+        mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            raise sqlite3.OperationalError(f"cannot switch to WAL mode (journal_mode={mode}): read-only store")
+        # NORMAL in WAL mode: a committed transaction survives the process being killed;
+        # only an OS crash or power loss can lose the last transactions (never corrupt).
+        conn.execute("PRAGMA synchronous = NORMAL")
+        conn.execute(f"PRAGMA journal_size_limit = {WAL_SIZE_LIMIT_BYTES}")
+        self._migrate(conn, version)
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            for kind in FRAME_KINDS:  # kinds added to FRAME_KINDS later get their table here
+                _create_kind_table(conn, kind)
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+
+    def _migrate(self, conn: sqlite3.Connection, version: int) -> None:
+        for number, name, apply in MIGRATIONS:
+            if number <= version:
+                continue
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                if number == 1:
+                    conn.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+                    conn.execute("INSERT OR IGNORE INTO meta VALUES ('created_s', ?)", (repr(time.time()),))
+                apply(conn)
+                row = conn.execute("SELECT value FROM meta WHERE key = 'migrations'").fetchone()
+                history = json.loads(row[0]) if row else []
+                history.append({"version": number, "name": name, "applied_s": time.time()})
+                conn.execute("INSERT OR REPLACE INTO meta VALUES ('migrations', ?)", (json.dumps(history),))
+                conn.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(number),))
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            if version:
+                log.info("store %s migrated to schema %d (%s)", self.path, number, name)
+
+    def _release_lock(self) -> None:
+        if self._lock_fd is not None:
+            try:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            finally:
+                os.close(self._lock_fd)
+                self._lock_fd = None
+
+    # -- failures --------------------------------------------------------------------------
+    def _count(self, kind: str) -> None:
+        self._errors[kind] = self._errors.get(kind, 0) + 1
+
+    def _failed(self, kind: str, exc: BaseException, what: str) -> None:
+        self._count(kind)
+        self._last_error_kind = kind
+        self._last_error = f"{kind}: {exc}"
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log.error("store %s: %s (%s: %s); live metrics go on, frames are buffered in memory "
+                      "(up to %d bytes) and written when the store is writable again",
+                      self.path, what, kind, exc, self.max_pending_bytes)
+
+    def _recovered(self) -> None:
+        if self._logged:
+            log.warning("store %s is writable again (after %s)", self.path, ", ".join(sorted(self._logged)))
+            self._logged.clear()
+
+    # -- writing ---------------------------------------------------------------------------
+    def append(self, frames: Iterable[Frame]) -> None:
+        """Buffer frames for the next :meth:`flush` (nothing touches the disk here)."""
+        self._need_writer()
+        with self._mutex:
+            for fr in frames:
+                self._unencoded.append(fr)
+                self._unencoded_rows += len(fr.rows)
+            if self._unencoded_rows > MAX_UNENCODED_ROWS:
+                self._encode_unencoded()
+
+    def upsert_finding(self, finding) -> None:
+        """Record a finding (a Finding or a dict in its JSON form), replacing one with the same id.
+
+        Written at the next flush; :meth:`findings` of this store sees it at once.
+        """
+        self._need_writer()
+        if hasattr(finding, "to_dict"):
+            d = finding.to_dict()
+            # to_dict() rounds floats to 6 significant digits for display, which moves a Unix
+            # timestamp by up to an hour and a half: the store keeps the span exact.
+            d["start_s"], d["end_s"] = finding.start_s, finding.end_s
+        else:
+            d = dict(finding)
+        for key in ("id", "kind", "severity", "start_s"):
+            if d.get(key) is None:
+                raise ValueError(f"finding without {key!r}: {d!r}")
+        with self._mutex:
+            self._pending_findings[str(d["id"])] = d
+
+    def _encode_unencoded(self) -> None:
+        by_kind: dict[str, list[Frame]] = {}
+        for fr in self._unencoded:
+            if fr.rows:
+                by_kind.setdefault(fr.kind, []).append(fr)
+        self._unencoded, self._unencoded_rows = [], 0
+        for kind, frames in by_kind.items():
+            n, columns = _columns_from_frames(frames)
+            ts = columns["t"]
+            chunk = _Chunk(kind, float(ts.min()), float(ts.max()), _uniform_node(columns), n,
+                           encode_block(columns, n, sealed=False))
+            self._backlog.append(chunk)
+            self._backlog_bytes += len(chunk.block)
+        while self._backlog_bytes > self.max_pending_bytes and self._backlog:
+            dropped = self._backlog.popleft()
+            self._backlog_bytes -= len(dropped.block)
+            self._dropped_rows += dropped.n_rows
+
+    def flush(self) -> int:
+        """Write everything buffered in one transaction; return the rows written (0 on failure).
+
+        Never raises for a full disk or a read-only store: the failure is logged
+        once, counted in :meth:`health`, and the data stays buffered (bounded).
+        Also seals complete intervals and, at most once a minute, applies retention.
+        """
+        self._need_writer()
+        with self._mutex:
+            self._encode_unencoded()
+            if not self._backlog and not self._pending_findings:
+                return 0
+            if self._conn is None:
+                if time.monotonic() - self._last_reopen < REOPEN_INTERVAL_S:
+                    self._count(self._last_error_kind)  # same failure as the last open attempt
+                    return 0
+                try:
+                    ok = self._open_writer(first=False)
+                except GpudiagError as exc:  # another agent took the store meanwhile
+                    self._failed("busy", exc, "cannot open the store for writing")
+                    return 0
+                if not ok:
+                    return 0
+            started = time.perf_counter()
+            conn = self._conn
+            chunks = list(self._backlog)
+            findings = list(self._pending_findings.values())
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                for c in chunks:
+                    conn.execute(f"INSERT INTO {_table(c.kind)} (t_start, t_end, node, n_rows, sealed, data)"
+                                 " VALUES (?, ?, ?, ?, 0, ?)", (c.t_start, c.t_end, c.node, c.n_rows, c.block))
+                for d in findings:
+                    conn.execute(
+                        "INSERT INTO findings (id, kind, severity, start_s, end_s, json, node, gpu)"
+                        " VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET kind = excluded.kind,"
+                        " severity = excluded.severity, start_s = excluded.start_s, end_s = excluded.end_s,"
+                        " json = excluded.json, node = excluded.node, gpu = excluded.gpu",
+                        (str(d["id"]), d["kind"], str(d["severity"]), float(d["start_s"]),
+                         None if d.get("end_s") is None else float(d["end_s"]),
+                         json.dumps(d, default=str), d.get("node"), d.get("gpu")))
+                conn.execute("COMMIT")
+            except sqlite3.Error as exc:
+                self._rollback()
+                self._failed(_error_kind(exc), exc, "cannot write frames")
+                return 0
+            self._backlog.clear()
+            self._backlog_bytes = 0
+            for c in chunks:
+                old, new = self._oldest_fresh.get(c.kind), self._newest.get(c.kind)
+                self._oldest_fresh[c.kind] = c.t_start if old is None else min(old, c.t_start)
+                self._newest[c.kind] = c.t_end if new is None else max(new, c.t_end)
+            for d in findings:
+                if self._pending_findings.get(str(d["id"])) is d:
+                    del self._pending_findings[str(d["id"])]
+            self._recovered()
+            written = sum(c.n_rows for c in chunks)
+            try:
+                self._seal(final=False)
+                if time.monotonic() - self._last_retention >= RETENTION_CHECK_INTERVAL_S:
+                    self.enforce_retention()
+            except sqlite3.Error as exc:  # the frames above are committed; this only delays tidying
+                self._rollback()
+                self._failed(_error_kind(exc), exc, "cannot seal chunks or apply retention")
+            self._last_flush_s = time.perf_counter() - started
+            return written
+
+    def _rollback(self) -> None:
+        try:
+            if self._conn is not None and self._conn.in_transaction:
+                self._conn.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass
+
+    def _load_spans(self) -> None:
+        """Read, per kind, the oldest fresh chunk start and the newest frame (kept in memory after)."""
+        self._oldest_fresh, self._newest = {}, {}
+        for kind in FRAME_KINDS:
+            t = _table(kind)
+            self._oldest_fresh[kind] = self._conn.execute(
+                f"SELECT min(t_start) FROM {t} WHERE sealed = 0").fetchone()[0]
+            self._newest[kind] = self._conn.execute(f"SELECT max(t_end) FROM {t}").fetchone()[0]
+
+    def _seal(self, *, final: bool) -> None:
+        """Merge fresh chunks of complete intervals into sealed ones (every interval when ``final``)."""
+        conn = self._conn
+        seals = 0
+        for kind in FRAME_KINDS:
+            t = _table(kind)
+            oldest, newest = self._oldest_fresh.get(kind), self._newest.get(kind)
+            if oldest is None or newest is None:
+                continue
+            if not final and math.floor(oldest / self.chunk_s) >= math.floor(newest / self.chunk_s):
+                continue  # the oldest fresh chunk's interval is still open
+            boundary = math.inf if final else math.floor(newest / self.chunk_s) * self.chunk_s
+            fresh = conn.execute(f"SELECT rowid, t_start, data FROM {t} WHERE sealed = 0 AND t_end < ?"
+                                 " ORDER BY t_start, rowid", (boundary,)).fetchall()
+            groups: dict[float, list[tuple[int, bytes]]] = {}
+            for rowid, t_start, data in fresh:
+                groups.setdefault(math.floor(t_start / self.chunk_s), []).append((rowid, data))
+            for _, members in sorted(groups.items()):
+                if seals >= MAX_SEALS_PER_FLUSH and not final:
+                    break
+                n, columns = _concat_columns([decode_block(data, raw=True) for _, data in members])
+                ts = columns["t"]
+                block = encode_block(columns, n, sealed=True)
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    conn.executemany(f"DELETE FROM {t} WHERE rowid = ?", [(rowid,) for rowid, _ in members])
+                    conn.execute(f"INSERT INTO {t} (t_start, t_end, node, n_rows, sealed, data)"
+                                 " VALUES (?, ?, ?, ?, 1, ?)",
+                                 (float(ts.min()), float(ts.max()), _uniform_node(columns), n, block))
+                    conn.execute("COMMIT")
+                except BaseException:
+                    self._rollback()
+                    raise
+                seals += 1
+            self._oldest_fresh[kind] = conn.execute(f"SELECT min(t_start) FROM {t} WHERE sealed = 0").fetchone()[0]
+            if seals >= MAX_SEALS_PER_FLUSH and not final:
+                return
+
+    def enforce_retention(self, now_s: float | None = None) -> int:
+        """Delete chunks older than ``retention_s`` (before ``now_s``, default the newest frame),
+        then the oldest chunks until the database is under ``max_bytes``. Returns chunks deleted."""
+        self._need_writer()
+        with self._mutex:
+            self._last_retention = time.monotonic()
+            conn = self._conn
+            if conn is None:
+                return 0
+            deleted = 0
+            tables = [_table(k) for k in FRAME_KINDS]
+            if now_s is None:
+                ends = [conn.execute(f"SELECT max(t_end) FROM {t}").fetchone()[0] for t in tables]
+                ends = [e for e in ends if e is not None]
+                now_s = max(ends) if ends else None
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                if now_s is not None:
+                    cutoff = now_s - self.retention_s
+                    for t in tables:
+                        deleted += conn.execute(f"DELETE FROM {t} WHERE t_end < ?", (cutoff,)).rowcount
+                    conn.execute("DELETE FROM findings WHERE end_s IS NOT NULL AND end_s < ?", (cutoff,))
+                if self._used_bytes(conn) > self.max_bytes:
+                    deleted += self._delete_oldest(conn, tables, int(self.max_bytes * SIZE_RETENTION_TARGET_RATIO))
+                conn.execute("COMMIT")
+            except BaseException:
+                self._rollback()
+                raise
+            if deleted:
+                conn.executescript("PRAGMA incremental_vacuum;")  # execute() would free one page only
+            return deleted
+
+    def _delete_oldest(self, conn: sqlite3.Connection, tables: list[str], target_bytes: int) -> int:
+        """Delete the oldest chunks (all kinds, by end time) until the database uses <= target_bytes."""
+        deleted = 0
+        # Deleting a chunk frees fewer bytes than its length when it shared pages with
+        # others, so delete by estimate, measure, and go on from there.
+        for _ in range(64):
+            need = self._used_bytes(conn) - target_bytes
+            if need <= 0:
+                break
+            candidates = sorted((t_end, t, rowid, size) for t in tables for rowid, t_end, size in conn.execute(
+                f"SELECT rowid, t_end, length(data) FROM {t}"))
+            if not candidates:
+                break
+            freed = 0
+            victims: dict[str, list[int]] = {}
+            for _, t, rowid, size in candidates:
+                victims.setdefault(t, []).append(rowid)
+                freed += size
+                if freed >= need:
+                    break
+            for t, rowids in victims.items():
+                conn.executemany(f"DELETE FROM {t} WHERE rowid = ?", [(r,) for r in rowids])
+                deleted += len(rowids)
+        return deleted
+
+    @staticmethod
+    def _used_bytes(conn: sqlite3.Connection) -> int:
+        pages = conn.execute("PRAGMA page_count").fetchone()[0]
+        free = conn.execute("PRAGMA freelist_count").fetchone()[0]
+        size = conn.execute("PRAGMA page_size").fetchone()[0]
+        return (pages - free) * size
+
+    def _need_writer(self) -> None:
+        if self.readonly:
+            raise GpudiagError(f"store {self.path} is open read-only")
+        if self._closed:
+            raise GpudiagError(f"store {self.path} is closed")
+
+    # -- reading ---------------------------------------------------------------------------
+    @contextmanager
+    def snapshot(self) -> Iterator[Store]:
+        """Hold one read snapshot for several reads (window, findings, time_range agree).
+
+        The writer keeps writing meanwhile (WAL); what it writes becomes visible
+        after the block.
+        """
+        with self._mutex:
+            conn = self._reader_conn()
+            if conn is None or conn.in_transaction:
+                yield self
+                return
+            self._guard(conn.execute, "BEGIN")
+            try:
+                yield self
+            finally:
+                try:
+                    if conn.in_transaction:
+                        conn.execute("COMMIT")  # ends a read transaction: nothing to lose
+                except sqlite3.Error:
+                    pass  # a damaged file already raised the read's own GpudiagError
+
+    def _reader_conn(self) -> sqlite3.Connection | None:
+        if self._closed:
+            raise GpudiagError(f"store {self.path} is closed")
+        return self._conn
+
+    def _guard(self, fn, *args):
+        """Run a read; a corrupt file becomes one GpudiagError line."""
+        try:
+            return fn(*args)
+        except sqlite3.DatabaseError as exc:
+            raise GpudiagError(f"store {self.path} cannot be read: {exc}") from None
+        except (zlib.error, ValueError, KeyError, struct.error) as exc:
+            raise GpudiagError(f"store {self.path} holds a damaged chunk: {exc}") from None
+
+    def _query(self, sql: str, params=()) -> list[tuple]:
+        conn = self._reader_conn()
+        if conn is None:
+            return []
+        return self._guard(lambda: conn.execute(sql, params).fetchall())
+
+    def _kind_tables(self) -> set[str]:
+        return {r[0] for r in self._query("SELECT name FROM sqlite_master WHERE type = 'table'")}
+
+    def window(self, start_s: float, end_s: float, kinds: Iterable[str] | None = None, *,
+               node: str | None = None) -> Window:
+        """Frames with ``start_s <= t <= end_s`` as a Window (one DataFrame per kind, sorted by ``t``).
+
+        The writer's own window also holds chunks still waiting for a writable store.
+        """
+        wanted = list(FRAME_KINDS if kinds is None else kinds)
+        for kind in wanted:
+            if kind not in FRAME_KINDS:
+                raise GpudiagError(f"unknown frame kind {kind!r}; expected one of {', '.join(FRAME_KINDS)}")
+        tables: dict[str, pd.DataFrame] = {}
+        nodes: set[str] = set()
+        with self.snapshot():
+            present = self._kind_tables()
+            for kind in wanted:
+                blocks: list[bytes] = []
+                if _table(kind) in present:
+                    sql = f"SELECT data FROM {_table(kind)} WHERE t_end >= ? AND t_start <= ?"
+                    params: tuple = (start_s, end_s)
+                    if node is not None:
+                        sql += " AND (node = ? OR node IS NULL)"
+                        params += (node,)
+                    blocks += [r[0] for r in self._query(sql + " ORDER BY t_start, rowid", params)]
+                if not self.readonly:
+                    blocks += [c.block for c in list(self._backlog)
+                               if c.kind == kind and c.t_end >= start_s and c.t_start <= end_s]
+                df = self._guard(self._frame_of, blocks, start_s, end_s, node)
+                if df is not None:
+                    tables[kind] = df
+                    if "node" in df.columns:
+                        nodes.update(v for v in df["node"].unique().tolist() if isinstance(v, str))
+        if node is None and len(nodes) == 1:
+            node = nodes.pop()
+        return Window(tables, float(start_s), float(end_s), node=node, sources=[f"store:{self.path}"])
+
+    @staticmethod
+    def _frame_of(blocks: list[bytes], start_s: float, end_s: float, node: str | None) -> pd.DataFrame | None:
+        parts = []
+        for data in blocks:
+            n, columns = decode_block(data)
+            keep = (columns["t"] >= start_s) & (columns["t"] <= end_s)
+            if node is not None and "node" in columns:
+                keep &= columns["node"] == node
+            kept = int(keep.sum())
+            if kept == n:
+                parts.append((n, columns))
+            elif kept:
+                parts.append((kept, {k: v[keep] for k, v in columns.items()}))
+        if not parts:
+            return None
+        # One DataFrame from concatenated arrays: building one per chunk costs more than
+        # decoding the chunk (a recent window holds hundreds of one-second fresh chunks).
+        _, columns = parts[0] if len(parts) == 1 else _concat_columns(parts)
+        df = pd.DataFrame(columns)
+        return df.sort_values("t", kind="stable").reset_index(drop=True)
+
+    def findings(self, start_s: float, end_s: float, *, kinds: Iterable[str] | None = None,
+                 gpu: int | None = None) -> list[dict]:
+        """Findings whose span overlaps [start_s, end_s] (an open end counts as ongoing), by start time."""
+        sql = "SELECT json FROM findings WHERE start_s <= ? AND (end_s IS NULL OR end_s >= ?)"
+        params: tuple = (end_s, start_s)
+        if gpu is not None:
+            # Schema 1 (readable without migration) kept the GPU only inside the JSON.
+            sql += " AND gpu = ?" if self._schema_version >= 2 else " AND json_extract(json, '$.gpu') = ?"
+            params += (int(gpu),)
+        rows = self._query(sql, params) if "findings" in self._kind_tables() else []
+        by_id = {d["id"]: d for d in (json.loads(r[0]) for r in rows)}
+        if not self.readonly:
+            for d in list(self._pending_findings.values()):
+                if d["start_s"] <= end_s and (d.get("end_s") is None or d["end_s"] >= start_s) \
+                        and (gpu is None or d.get("gpu") == gpu):
+                    by_id[d["id"]] = d
+        wanted = None if kinds is None else set(kinds)
+        out = [d for d in by_id.values() if wanted is None or d["kind"] in wanted]
+        return sorted(out, key=lambda d: (d["start_s"], d["id"]))
+
+    def time_range(self) -> tuple[float, float] | None:
+        """(first t, last t) over every kind, or None for a store without frames."""
+        lo, hi = math.inf, -math.inf
+        with self.snapshot():
+            present = self._kind_tables()
+            for kind in FRAME_KINDS:
+                if _table(kind) in present:
+                    a, b = self._query(f"SELECT min(t_start), max(t_end) FROM {_table(kind)}")[0]
+                    if a is not None:
+                        lo, hi = min(lo, a), max(hi, b)
+        if not self.readonly:
+            for c in list(self._backlog):
+                lo, hi = min(lo, c.t_start), max(hi, c.t_end)
+        return None if lo == math.inf else (lo, hi)
+
+    def meta(self) -> dict[str, Any]:
+        """The meta table: schema_version (int), migrations (list), created_s, and anything else stored."""
+        out: dict[str, Any] = {}
+        for key, value in self._query("SELECT key, value FROM meta") if self._conn is not None else []:
+            out[key] = json.loads(value) if key == "migrations" else value
+        if "schema_version" in out:
+            out["schema_version"] = int(out["schema_version"])
+        return out
+
+    def health(self) -> dict[str, Any]:
+        """Writer health for the agent's self-metrics.
+
+        ``store_errors_total`` (by kind: disk_full, read_only, io, busy, corrupt,
+        other) feeds ``agent_store_errors_total``; ``last_flush_seconds`` feeds
+        ``agent_store_write_seconds``; ``dropped_rows_total`` counts rows lost
+        when the in-memory buffer overflowed.
+        """
+        with self._mutex:
+            db_bytes = None
+            if self._conn is not None:
+                try:
+                    db_bytes = self._used_bytes(self._conn)
+                except sqlite3.Error:
+                    pass
+            return {
+                "path": self.path,
+                "writable": (not self.readonly) and self._conn is not None and not self._logged,
+                "store_errors_total": dict(self._errors),
+                "last_error": self._last_error,
+                "dropped_rows_total": self._dropped_rows,
+                "buffered_rows": self._unencoded_rows + sum(c.n_rows for c in self._backlog),
+                "buffered_bytes": self._backlog_bytes,
+                "last_flush_seconds": self._last_flush_s,
+                "db_bytes": db_bytes,
+            }
+
+    def metric_rows(self) -> list[dict[str, Any]]:
+        """:meth:`health` as self-metrics rows for ``LatestFrames.set_agent_rows`` (catalog ``agent_*`` columns)."""
+        h = self.health()
+        rows: list[dict[str, Any]] = [{"kind": kind, M.agent_store_errors_total: n}
+                                      for kind, n in sorted(h["store_errors_total"].items())]
+        rows.append({"probe": "store", M.agent_dropped_events_total: h["dropped_rows_total"]})
+        if h["last_flush_seconds"] is not None:
+            rows.append({M.agent_store_write_seconds: h["last_flush_seconds"]})
+        if h["db_bytes"] is not None:
+            rows.append({M.agent_store_bytes: h["db_bytes"]})
+        return rows
+
+    def close(self) -> None:
+        """Flush (writer), seal every interval, release the lock and close. Safe to call twice."""
+        if self._closed:
+            return
+        try:
+            if not self.readonly:
+                self.flush()
+                lost = self.health()["buffered_rows"]
+                if lost:
+                    log.error("store %s closed with %d rows that could not be written", self.path, lost)
+                with self._mutex:
+                    if self._conn is not None and not self._backlog:
+                        try:
+                            self._seal(final=True)
+                            self._conn.executescript("PRAGMA incremental_vacuum;")  # execute() would free one page only
+                        except sqlite3.Error as exc:
+                            self._failed(_error_kind(exc), exc, "cannot seal chunks at close")
+        finally:
+            with self._mutex:
+                self._closed = True
+                if self._conn is not None:
+                    self._conn.close()
+                    self._conn = None
+                self._release_lock()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False

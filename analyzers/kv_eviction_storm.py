@@ -1,0 +1,168 @@
+"""kv_eviction_storm: the engine keeps evicting KV and recomputing it, and decode latency pays.
+
+Definitions (per GPU, over 1 s engine samples and finished requests):
+- eviction rate: increase of the eviction counter (gpudiag's
+  engine_kv_evictions_total, or vLLM's num_preemptions_total) per second
+  over the trailing RATE_WINDOW_S;
+- recomputed-token share: tokens prefilled again after an eviction divided
+  by all prefilled tokens, over the episode;
+- utilization oscillation: the standard deviation of the 1 s GPU
+  utilization samples over the trailing RATE_WINDOW_S (a steady engine
+  keeps it within a few points; a storm alternates stalls and recompute
+  bursts), compared with its median over the rest of the window;
+- TPOT P99: the 99th percentile of per-request time per output token
+  ((e2e - TTFT) / (output tokens - 1)) of requests that finished during the
+  episode, against the same percentile of requests that finished outside
+  any episode (the run's own baseline).
+
+A storm is an episode of eviction rate >= EVICTION_RATE_THRESHOLD lasting at
+least MIN_DURATION_S, with decode latency (TPOT P99) or recompute share
+above their thresholds. The chain assembler links it to the fragmentation
+finding that precedes it on the same GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gpudiag.catalog import M
+from gpudiag.findings import Evidence, Finding, Severity, alert_name
+from gpudiag.frames import Window
+
+from .common import episodes, per_entity, percentile, rolling_std, windowed_rate
+
+KIND = "kv_eviction_storm"
+
+RATE_WINDOW_S = 60.0
+# Three evictions a minute, sustained: an occasional preemption under a burst
+# is normal continuous batching; this many means the KV pool is thrashing.
+EVICTION_RATE_THRESHOLD = 3.0 / 60.0
+# A storm lasts minutes; a single burst of preemptions resolves in seconds.
+MIN_DURATION_S = 60.0
+# Episodes closer than this are one storm (it flickers as the mix changes).
+MERGE_GAP_S = 300.0
+# Decode latency must visibly suffer: TPOT P99 half again over its baseline...
+TPOT_P99_RATIO_THRESHOLD = 1.5
+# ...or a twentieth of prefill work must be recomputation.
+RECOMPUTE_SHARE_THRESHOLD = 0.05
+# Three times the baseline TPOT P99 is where SLOs of interactive serving break.
+CRITICAL_TPOT_RATIO = 3.0
+FIXES = ["paged-kv", "chunked-kv", "priority-eviction", "memory-aware-batching"]
+
+
+def analyze(window: Window) -> list[Finding]:
+    """Eviction storms per GPU (engine), with their evidence."""
+    eng = window.table("engine")
+    if eng.empty:
+        return []
+    evict_col = M.engine_kv_evictions_total if window.has("engine", M.engine_kv_evictions_total) \
+        else M.num_preemptions_total
+    if not window.has("engine", evict_col):
+        return []
+    gpu_df = window.table("gpu")
+    req = window.table("request")
+    findings = []
+    for key, e in per_entity(eng, ["node", "gpu"]):
+        t = e["t"].to_numpy(float)
+        ev = e[evict_col].to_numpy(float)
+        rate = windowed_rate(t, ev, RATE_WINDOW_S)
+        spans = episodes(t, rate >= EVICTION_RATE_THRESHOLD, MERGE_GAP_S, MIN_DURATION_S)
+        if not spans:
+            continue
+        reqs = _subset(req, key)
+        gpus = _subset(gpu_df, key)
+        base_tpot = _tpot_outside(reqs, spans)
+        osc_t, osc = _oscillation(gpus)
+        for start, end in spans:
+            # Rates look back RATE_WINDOW_S: the storm began up to a window before it was detected.
+            start = max(float(t[0]), start - RATE_WINDOW_S)
+            sel = (t >= start) & (t <= end)
+            n_ev = float(ev[sel].max() - ev[sel].min()) if sel.any() else 0.0
+            share = _recompute_share(e, sel)
+            tpot = _tpot_in(reqs, start, end)
+            ratio = tpot / base_tpot if base_tpot and base_tpot > 0 and not np.isnan(tpot) else float("nan")
+            osc_in, osc_base = _osc_in(osc_t, osc, start, end)
+            if not ((not np.isnan(ratio) and ratio >= TPOT_P99_RATIO_THRESHOLD) or share >= RECOMPUTE_SHARE_THRESHOLD):
+                continue
+            severity = Severity.CRITICAL if (not np.isnan(ratio) and ratio >= CRITICAL_TPOT_RATIO) else Severity.WARNING
+            minutes = (end - start) / 60.0
+            findings.append(Finding(
+                kind=KIND, severity=severity, start_s=start, end_s=float(end), node=key.get("node"),
+                gpu=None if key.get("gpu") is None else int(key["gpu"]),
+                summary=(f"KV eviction storm for {minutes:.0f} min: {n_ev:.0f} evictions "
+                         f"({n_ev / max(minutes, 1e-9):.1f}/min), {share:.0%} of prefill recomputed, "
+                         f"TPOT P99 {_ms(tpot)} vs {_ms(base_tpot)} baseline"),
+                evidence=[
+                    Evidence("kv_evictions_per_second", float(rate[sel].max()), 0.0, EVICTION_RATE_THRESHOLD, ""),
+                    Evidence("recomputed_token_share", share, 0.0, RECOMPUTE_SHARE_THRESHOLD, "ratio"),
+                    Evidence("tpot_p99_seconds", tpot, base_tpot, (base_tpot or 0) * TPOT_P99_RATIO_THRESHOLD
+                             if base_tpot else None, "seconds"),
+                    Evidence("gpu_utilization_oscillation_ratio", osc_in, osc_base, None, "ratio"),
+                ],
+                runbook=alert_name(KIND), fixes=list(FIXES),
+                details={"evictions": n_ev, "tpot_p99_ratio": ratio},
+            ))
+    return findings
+
+
+def _subset(df, key):
+    if df.empty:
+        return df
+    for col in ("node", "gpu"):
+        if col in df and key.get(col) is not None:
+            df = df[df[col] == key[col]]
+    return df
+
+
+def _tpot_col(reqs):
+    return M.inter_token_latency_seconds if M.inter_token_latency_seconds in reqs else None
+
+
+def _tpot_in(reqs, start, end) -> float:
+    col = _tpot_col(reqs)
+    if col is None or reqs.empty:
+        return float("nan")
+    r = reqs[(reqs["t"] >= start) & (reqs["t"] <= end)]
+    return percentile(r[col], 99)
+
+
+def _tpot_outside(reqs, spans) -> float | None:
+    col = _tpot_col(reqs)
+    if col is None or reqs.empty:
+        return None
+    t = reqs["t"].to_numpy(float)
+    inside = np.zeros(len(t), dtype=bool)
+    for a, b in spans:
+        inside |= (t >= a - RATE_WINDOW_S) & (t <= b + MERGE_GAP_S)
+    v = percentile(reqs[col].to_numpy(float)[~inside], 99)
+    return None if np.isnan(v) else v
+
+
+def _recompute_share(e, sel) -> float:
+    if M.engine_recomputed_tokens_total not in e or M.prompt_tokens_total not in e:
+        return 0.0
+    rc = e[M.engine_recomputed_tokens_total].to_numpy(float)[sel]
+    pt = e[M.prompt_tokens_total].to_numpy(float)[sel]
+    d_pt = pt.max() - pt.min() if pt.size else 0.0
+    return float((rc.max() - rc.min()) / d_pt) if d_pt > 0 else 0.0
+
+
+def _oscillation(gpus):
+    if gpus.empty or M.gpu_utilization_ratio not in gpus:
+        return np.array([]), np.array([])
+    g = gpus.sort_values("t")
+    t = g["t"].to_numpy(float)
+    return t, rolling_std(t, g[M.gpu_utilization_ratio].to_numpy(float), RATE_WINDOW_S)
+
+
+def _osc_in(t, osc, start, end):
+    if t.size == 0:
+        return None, None
+    sel = (t >= start) & (t <= end)
+    inside = float(np.percentile(osc[sel], 90)) if sel.any() else None
+    base = float(np.median(osc[~sel])) if (~sel).any() else None
+    return inside, base
+
+
+def _ms(v) -> str:
+    return "n/a" if v is None or np.isnan(v) else f"{v * 1e3:.0f} ms"

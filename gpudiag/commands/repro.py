@@ -1,0 +1,193 @@
+"""``gpudiag repro SCENARIO [--fix FIX]``: reproduce an incident on the simulated GPU and check a fix."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from gpudiag import repro as R
+from gpudiag.errors import GpudiagError
+from gpudiag.reference_engine import scenarios
+from gpudiag.render import findings_panel
+from gpudiag.units import fmt_bytes, fmt_ratio, fmt_seconds
+
+
+def register(app: typer.Typer) -> None:
+    app.command("repro")(repro)
+
+
+def repro(
+    scenario: Optional[str] = typer.Argument(None, help="Scenario name (see --list)."),
+    fix: Optional[str] = typer.Option(None, "--fix", help="Apply a fix and compare with the unfixed run."),
+    seed: int = typer.Option(0, "--seed", help="Random seed; the same seed gives the same run."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
+    list_: bool = typer.Option(False, "--list", help="List scenarios and their fixes."),
+    qps: Optional[float] = typer.Option(None, "--qps", help="Override the request rate."),
+    duration: Optional[float] = typer.Option(None, "--duration", help="Override the run length (seconds)."),
+    block_size: Optional[int] = typer.Option(None, "--block-size", help="Override the paged-KV block size (tokens)."),
+    gpu: Optional[str] = typer.Option(None, "--gpu", help="Override the simulated GPU (A100-80GB, H100-SXM, ...)."),
+    model: Optional[str] = typer.Option(None, "--model", help="Override the model shape (llama-7b, mistral-7b, ...)."),
+):
+    """Reproduce a field incident on the simulated GPU, diagnose it, and check a fix."""
+    out = Console(file=sys.stdout, highlight=False)
+    if list_:
+        return _list(out, as_json)
+    if scenario is None:
+        raise GpudiagError(f"name a scenario; valid: {', '.join(scenarios.SCENARIOS)} (or use --list)")
+    sc = R.scenario_or_error(scenario)
+    if fix is not None and fix not in sc.fixes:
+        raise GpudiagError(f"unknown fix {fix!r} for {sc.name}; valid: {', '.join(sc.fixes)}")
+
+    def overrides(cfg, workload):
+        if qps is not None:
+            workload.qps = qps
+        if duration is not None:
+            workload.duration_s = duration
+        if block_size is not None:
+            cfg.kv.block_size = block_size
+        if gpu is not None:
+            cfg.gpu = gpu
+        if model is not None:
+            cfg.model = model
+        workload.validate()
+        cfg.validate()
+
+    runs = [None, fix] if fix is not None else [None]
+    docs = []
+    results = []
+    for f in runs:
+        res = _run_with_progress(sc, f, seed, overrides)
+        results.append(res)
+        docs.append(R.document(res))
+    doc = docs[-1]
+    if fix is not None:
+        doc["baseline_run"] = docs[0]
+    if as_json:
+        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+        return 0
+    _print_report(out, sc, docs, results)
+    return 0
+
+
+def _run_with_progress(sc, fix, seed, overrides):
+    if not sys.stderr.isatty():
+        return R.run(sc, fix, seed, overrides=overrides)
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    cfg, workload = sc.build(fix)
+    overrides(cfg, workload)
+    total = workload.duration_s
+    label = f"{sc.name}" + (f" --fix {fix}" if fix else "")
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                  TextColumn("simulated {task.completed:.0f}/{task.total:.0f} s"), TimeRemainingColumn(),
+                  console=Console(file=sys.stderr), transient=True) as progress:
+        task = progress.add_task(label, total=total)
+        return R.run(sc, fix, seed, overrides=overrides,
+                     progress=lambda s: progress.update(task, completed=s) if int(s) % 30 == 0 else None)
+
+
+def _list(out: Console, as_json: bool):
+    if as_json:
+        sys.stdout.write(json.dumps({"scenarios": [
+            {"name": s.name, "summary": s.summary, "fixes": {k: v.summary for k, v in s.fixes.items()},
+             "expected_findings": list(s.expected_findings)} for s in scenarios.SCENARIOS.values()]}, indent=2) + "\n")
+        return 0
+    t = Table(title="Scenarios (gpudiag repro NAME [--fix FIX])")
+    t.add_column("scenario", style="bold")
+    t.add_column("what it reproduces")
+    t.add_column("fixes")
+    for s in scenarios.SCENARIOS.values():
+        t.add_row(s.name, s.summary, "\n".join(f"{k}: {v.summary}" for k, v in s.fixes.items()))
+    out.print(t)
+    return 0
+
+
+def _range(p) -> str:
+    if p["gpu_util_mean"] is None:
+        return "n/a"
+    return (f"{p['gpu_util_mean']:.0%} mean, {p['gpu_util_p5']:.0%}–{p['gpu_util_p95']:.0%} "
+            f"(min {p['gpu_util_min']:.0%}, max {p['gpu_util_max']:.0%})")
+
+
+def _trend(p) -> str:
+    if p["reserved_mean_bytes"] is None:
+        return "n/a"
+    per_h = p["reserved_slope_bytes_per_s"] * 3600
+    arrow = "rising" if per_h > 256 * 1024**2 else "falling" if per_h < -256 * 1024**2 else "stable"
+    return f"{fmt_bytes(p['reserved_mean_bytes'])} reserved, {arrow} ({fmt_bytes(per_h)}/h)"
+
+
+def _incident_table(doc) -> Table:
+    phases = doc["phases"]
+    t = Table(title=f"{doc['scenario']}" + (f" with --fix {doc['fix']}" if doc["fix"] else " (unfixed)"))
+    t.add_column("signal", style="bold")
+    for p in phases:
+        t.add_column(f"{p['name']} ({fmt_seconds(p['start_s'])}–{fmt_seconds(p['end_s'])})")
+    rows = [
+        ("QPS", [f"{p['qps']:.1f}" for p in phases]),
+        ("GPU utilization", [_range(p) for p in phases]),
+        ("TTFT P99", [fmt_seconds(p["slo"]["ttft_p99_s"]) for p in phases]),
+        ("TPOT P99", [fmt_seconds(p["slo"]["tpot_p99_s"]) for p in phases]),
+        ("TPOT P999", [fmt_seconds(p["slo"]["tpot_p999_s"]) for p in phases]),
+        ("GPU memory (torch)", [_trend(p) for p in phases]),
+        ("host CPU (engine)", [f"{fmt_ratio(p['host_cpu_mean'])} mean, {fmt_ratio(p['host_cpu_max'])} max"
+                               for p in phases]),
+        ("evictions / alloc failures", [f"{p['evictions']} / {p['alloc_failures']}" for p in phases]),
+    ]
+    for name, cells in rows:
+        t.add_row(name, *cells)
+    return t
+
+
+def _slo_table(docs) -> Table:
+    t = Table(title="Latency over the whole run")
+    t.add_column("metric", style="bold")
+    for d in docs:
+        t.add_column(d["fix"] or "unfixed", justify="right")
+    if len(docs) == 2:
+        t.add_column("change", justify="right")
+    keys = [("TTFT P50", "ttft_p50_s"), ("TTFT P99", "ttft_p99_s"), ("TPOT P50", "tpot_p50_s"),
+            ("TPOT P99", "tpot_p99_s"), ("TPOT P999", "tpot_p999_s"), ("e2e P99", "e2e_p99_s")]
+    for label, k in keys:
+        vals = [d["slo"][k] for d in docs]
+        cells = [fmt_seconds(v) for v in vals]
+        if len(docs) == 2:
+            cells.append(f"{vals[1] / vals[0]:.2f}x" if vals[0] and vals[1] is not None else "n/a")
+        t.add_row(label, *cells)
+    for label, k in [("requests finished", "requests"), ("evictions", "evictions"),
+                     ("recomputed tokens", "recomputed_tokens"), ("KV alloc failures", "alloc_failures"),
+                     ("allocator retries", "num_alloc_retries"), ("allocator OOMs", "num_ooms")]:
+        vals = [d["totals"][k] for d in docs]
+        cells = [str(v) for v in vals]
+        if len(docs) == 2:
+            cells.append(f"{vals[1] - vals[0]:+d}")
+        t.add_row(label, *cells)
+    return t
+
+
+def _print_report(out: Console, sc, docs, results) -> None:
+    out.print(f"[bold]{sc.name}[/bold]: {sc.summary}")
+    for d in docs:
+        out.print(_incident_table(d))
+    out.print(_slo_table(docs))
+    for d, res in zip(docs, results):
+        title = "Findings" + (f" with --fix {d['fix']}" if d["fix"] else " (unfixed)")
+        out.print(findings_panel(res.findings, title))
+    if len(docs) == 2:
+        before = {f.kind for f in results[0].findings}
+        after = {f.kind for f in results[1].findings}
+        gone = sorted(before - after)
+        stays = sorted(before & after)
+        verdict = []
+        if gone:
+            verdict.append(f"removed: {', '.join(gone)}")
+        if stays:
+            verdict.append(f"still present: {', '.join(stays)}")
+        if not before:
+            verdict.append("the unfixed run showed no diagnosis")
+        out.print(f"[bold]Verdict for --fix {docs[1]['fix']}[/bold]: " + "; ".join(verdict))

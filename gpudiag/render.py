@@ -1,0 +1,44 @@
+"""Terminal rendering of findings (rich): the chain as a timeline, evidence as small tables."""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from gpudiag.findings import Finding
+from gpudiag.units import fmt_seconds, fmt_value
+
+_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
+
+
+def findings_panel(findings: list[Finding], title: str = "Findings") -> Panel:
+    """The findings in chain order (root cause first), each with its evidence table."""
+    if not findings:
+        return Panel(Text("no findings", style="green"), title=title)
+    parts = []
+    ids = {f.id for f in findings}
+    for f in findings:
+        depth = 1 if any(c in ids for c in f.caused_by) else 0
+        head = Text("  " * depth + ("└─ " if depth else ""))
+        head.append(f"[{f.severity.value}] ", style=_STYLE[f.severity.value])
+        head.append(f"{f.kind}", style="bold")
+        gpu = "" if f.gpu is None else f" gpu {f.gpu}"
+        head.append(f"{gpu}  {fmt_seconds(f.start_s)} → {fmt_seconds(f.end_s)}\n")
+        head.append("  " * depth + "   " + f.summary)
+        if f.caused_by:
+            head.append("\n" + "  " * depth + "   caused by: " + ", ".join(f.caused_by), style="dim")
+        parts.append(head)
+        ev = Table(show_header=True, header_style="dim", box=None, padding=(0, 1))
+        for col in ("metric", "observed", "baseline", "threshold"):
+            ev.add_column(col)
+        for e in f.evidence:
+            ev.add_row(e.metric, fmt_value(e.observed, e.unit), fmt_value(e.baseline, e.unit),
+                       fmt_value(e.threshold, e.unit))
+        parts.append(ev)
+        nxt = Text("  " * depth + f"   runbook: {f.runbook}")
+        if f.fixes:
+            nxt.append("   check a fix: " + " | ".join(f"gpudiag repro --fix {x}" for x in f.fixes), style="dim")
+        parts.append(nxt)
+    return Panel(Group(*parts), title=title)

@@ -1,0 +1,166 @@
+"""``gpudiag repro``: run a scenario on the simulated GPU, diagnose it, and compare a fix.
+
+The run's frames go through the same analyzers as live data. The document
+(see the README for the schema) holds the SLOs overall and per phase, the
+totals, and the findings; with a fix, the fixed run's document carries the
+unfixed run under ``baseline_run``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import pandas as pd
+
+from gpudiag.analyzers.registry import run_all
+from gpudiag.catalog import M
+from gpudiag.findings import Finding, _clean
+from gpudiag.frames import Window
+from gpudiag.reference_engine import scenarios
+from gpudiag.reference_engine.engine import SimEngine
+from gpudiag.reference_engine.scenarios import Scenario
+
+
+@dataclass
+class RunResult:
+    """One scenario run: its window of frames, findings and the engine's final state."""
+
+    scenario: Scenario
+    fix: str | None
+    seed: int
+    window: Window
+    findings: list[Finding]
+    engine: SimEngine
+
+
+def run(scenario: Scenario, fix: str | None, seed: int, *, overrides: Callable | None = None,
+        progress: Callable[[float], None] | None = None) -> RunResult:
+    """Run the scenario (with ``fix``) to its end on the simulated GPU and analyze it."""
+    cfg, workload = scenario.build(fix)
+    if overrides is not None:
+        overrides(cfg, workload)
+    engine = SimEngine(cfg, workload, seed=seed)
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for fr in engine.frames(progress=progress):
+        bucket = rows.setdefault(fr.kind, [])
+        for r in fr.rows:
+            r["t"] = fr.t
+            bucket.append(r)
+    window = Window.from_rows(rows, start_s=0.0, end_s=workload.duration_s, node=engine.node,
+                              sources=["sim"])
+    return RunResult(scenario, fix, seed, window, run_all(window), engine)
+
+
+def slo(requests: pd.DataFrame) -> dict[str, float | None]:
+    """TTFT, TPOT and e2e percentiles of a set of finished requests (seconds)."""
+    def p(col, q):
+        if requests.empty or col not in requests:
+            return None
+        v = requests[col].to_numpy(float)
+        return float(np.percentile(v, q)) if v.size else None
+
+    return {
+        "ttft_p50_s": p(M.time_to_first_token_seconds, 50),
+        "ttft_p99_s": p(M.time_to_first_token_seconds, 99),
+        "tpot_p50_s": p(M.inter_token_latency_seconds, 50),
+        "tpot_p99_s": p(M.inter_token_latency_seconds, 99),
+        "tpot_p999_s": p(M.inter_token_latency_seconds, 99.9),
+        "e2e_p99_s": p(M.e2e_request_latency_seconds, 99),
+    }
+
+
+def _delta(df: pd.DataFrame, col: str) -> int:
+    if df.empty or col not in df:
+        return 0
+    v = df[col].to_numpy(float)
+    return int(v.max() - v.min()) if v.size else 0
+
+
+def phase_stats(res: RunResult) -> list[dict[str, Any]]:
+    """Per phase: SLOs of requests that arrived in it, GPU utilization, evictions, failures, memory, CPU."""
+    w = res.window
+    gpu, eng, proc, req = w.table("gpu"), w.table("engine"), w.table("process"), w.table("request")
+    out = []
+    prev_eng = None
+    for name, start, end in res.scenario.phases:
+        g = gpu[(gpu["t"] > start) & (gpu["t"] <= end)]
+        e = eng[(eng["t"] > start) & (eng["t"] <= end)]
+        pr = proc[(proc["t"] > start) & (proc["t"] <= end)]
+        r = req[(req["arrival_s"] >= start) & (req["arrival_s"] < end)] if not req.empty else req
+        # Counters: the increase within the phase includes the step from the last sample before it.
+        e_span = pd.concat([prev_eng, e]) if prev_eng is not None else e
+        util = g[M.gpu_utilization_ratio].to_numpy(float) if not g.empty else np.array([])
+        reserved = pr[M.process_torch_reserved_bytes].to_numpy(float) if not pr.empty else np.array([])
+        tt = pr["t"].to_numpy(float) if not pr.empty else np.array([])
+        slope = float(np.polyfit(tt, reserved, 1)[0]) if reserved.size > 2 else 0.0
+        cpu = pr[M.process_cpu_utilization_ratio].to_numpy(float) if not pr.empty else np.array([])
+        arrived = _delta(e_span, M.engine_requests_arrived_total)
+        out.append({
+            "name": name, "start_s": start, "end_s": end,
+            "slo": slo(r),
+            "qps": arrived / (end - start) if end > start else 0.0,
+            "gpu_util_mean": float(util.mean()) if util.size else None,
+            "gpu_util_min": float(util.min()) if util.size else None,
+            "gpu_util_max": float(util.max()) if util.size else None,
+            "gpu_util_p5": float(np.percentile(util, 5)) if util.size else None,
+            "gpu_util_p95": float(np.percentile(util, 95)) if util.size else None,
+            "evictions": _delta(e_span, M.engine_kv_evictions_total),
+            "alloc_failures": _delta(e_span, M.engine_kv_alloc_failures_total),
+            "reserved_mean_bytes": float(reserved.mean()) if reserved.size else None,
+            "reserved_slope_bytes_per_s": slope,
+            "host_cpu_mean": float(cpu.mean()) if cpu.size else None,
+            "host_cpu_max": float(cpu.max()) if cpu.size else None,
+            "requests": int(len(r)),
+        })
+        if not e.empty:
+            prev_eng = e.iloc[[-1]]
+    return out
+
+
+def document(res: RunResult) -> dict[str, Any]:
+    """The JSON document of one run (schema in the README)."""
+    w = res.window
+    eng, proc, req = w.table("engine"), w.table("process"), w.table("request")
+    last_e = eng.iloc[-1] if not eng.empty else {}
+    last_p = proc.iloc[-1] if not proc.empty else {}
+
+    def last(row, col):
+        try:
+            return int(row[col])
+        except (KeyError, TypeError, ValueError):
+            return 0
+
+    doc = {
+        "scenario": res.scenario.name,
+        "fix": res.fix,
+        "seed": res.seed,
+        "duration_s": w.end_s,
+        "slo": slo(req),
+        "phases": phase_stats(res),
+        "totals": {
+            "requests": int(len(req)),
+            "unfinished": res.engine.unfinished(),
+            "evictions": last(last_e, M.engine_kv_evictions_total),
+            "recomputed_tokens": last(last_e, M.engine_recomputed_tokens_total),
+            "alloc_failures": last(last_e, M.engine_kv_alloc_failures_total),
+            "num_alloc_retries": last(last_p, M.process_torch_alloc_retries_total),
+            "num_ooms": last(last_p, M.process_torch_ooms_total),
+        },
+        "findings": [f.to_dict() for f in res.findings],
+    }
+    return _deep_clean(doc)
+
+
+def _deep_clean(v):
+    if isinstance(v, dict):
+        return {k: _deep_clean(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_deep_clean(x) for x in v]
+    return _clean(v)
+
+
+def scenario_or_error(name: str) -> Scenario:
+    """The named scenario, or GpudiagError naming the valid ones."""
+    return scenarios.get(name)

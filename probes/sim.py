@@ -1,0 +1,96 @@
+"""The simulated GPU as a probe: the reference engine paced to wall time, read like a real node.
+
+``open_sim_probes`` starts the scenario's engine on the simulated GPU in a
+background thread, on a virtual clock paced to real time (``speed`` simulated
+seconds per wall second), and returns a probe whose ``sample`` yields the
+latest gpu, process, engine and node frames, plus the request rows finished
+since the previous sample — the same frame kinds the NVML, torch and engine
+probes yield, so everything downstream runs without a GPU.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from gpudiag.errors import GpudiagError
+from gpudiag.frames import Frame
+from gpudiag.probes.base import Probe
+from gpudiag.reference_engine import scenarios
+from gpudiag.reference_engine.engine import SimEngine, VirtualClock
+
+
+class _Stopped(Exception):
+    pass
+
+
+class SimProbe(Probe):
+    """Latest frames of a simulated engine running in a background thread."""
+
+    name = "sim"
+    interval_s = 1.0
+
+    def __init__(self, scenario: str, *, speed: float = 1.0, seed: int = 0, fix: str | None = None):
+        sc = scenarios.get(scenario)
+        cfg, workload = sc.build(fix)
+        if speed <= 0:
+            raise GpudiagError(f"speed must be positive, got {speed}")
+        self.scenario = sc.name
+        self.speed = speed
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._latest: dict[str, Frame] = {}
+        self._requests: list[dict[str, Any]] = []
+        self._error: str | None = None
+        self._done = False
+        self.sim_time_s = 0.0
+        self.engine = SimEngine(cfg, workload, seed=seed, clock=VirtualClock(speed, sleep=self._sleep))
+        self._thread = threading.Thread(target=self._run, name=f"gpudiag-sim-{sc.name}", daemon=True)
+        self._thread.start()
+
+    def _sleep(self, delay: float) -> None:
+        if self._stop.wait(delay):
+            raise _Stopped()
+
+    def _run(self) -> None:
+        try:
+            for fr in self.engine.frames():
+                with self._lock:
+                    if fr.kind == "request":
+                        self._requests.extend(fr.rows)
+                    else:
+                        self._latest[fr.kind] = fr
+                    self.sim_time_s = fr.t
+                if self._stop.is_set():
+                    return
+        except _Stopped:
+            return
+        except Exception as exc:  # the probe reports it; the agent keeps running
+            self._error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._done = True
+
+    def sample(self, now: float) -> list[Frame]:
+        """The latest simulated second's frames, stamped ``now``; request rows since the last call."""
+        with self._lock:
+            frames = [Frame(f.kind, now, [dict(r, sim_t=f.t) for r in f.rows]) for f in self._latest.values()]
+            if self._requests:
+                frames.append(Frame("request", now, self._requests))
+                self._requests = []
+        return frames
+
+    def status(self) -> dict[str, Any]:
+        return {"name": self.name, "available": self._error is None,
+                "reason": self._error or ("scenario finished" if self._done else ""),
+                "missing_fields": {}, "scenario": self.scenario, "speed": self.speed,
+                "sim_time_s": self.sim_time_s}
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2.0)
+
+
+def open_sim_probes(scenario: str = "kv-eviction-storm", speed: float = 1.0, seed: int = 0,
+                    fix: str | None = None) -> list[Probe]:
+    """Probes over a simulated node running ``scenario`` paced at ``speed`` x real time."""
+    return [SimProbe(scenario, speed=speed, seed=seed, fix=fix)]

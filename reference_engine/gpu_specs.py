@@ -1,0 +1,52 @@
+"""Datasheet figures of the GPUs the simulated device can be.
+
+Sources (NVIDIA datasheets): A100 Tensor Core GPU datasheet (2021) for the
+A100 40GB/80GB SXM; H100 Tensor Core GPU datasheet (2023) for H100 SXM; H200
+Tensor Core GPU product brief (2024); L4 Tensor Core GPU datasheet (2023).
+Peak FLOP/s are dense BF16 tensor-core figures (without sparsity). Memory is
+what NVML reports as total (A100-80GB: 81920 MiB).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpudiag.errors import GpudiagError
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """One GPU model's capacity and speed."""
+
+    name: str
+    memory_bytes: int
+    hbm_bandwidth_bytes_per_s: float
+    peak_bf16_flops: float
+    sm_clock_max_hz: float
+    memory_clock_max_hz: float
+    power_limit_w: float
+    idle_power_w: float
+
+
+SPECS: dict[str, GPUSpec] = {
+    # A100 SXM4 40GB: 1,555 GB/s HBM2, 312 TFLOPS BF16, 1410 MHz boost, 400 W.
+    "A100-40GB": GPUSpec("NVIDIA A100-SXM4-40GB", 40 * GIB, 1.555e12, 312e12, 1410e6, 1215e6, 400.0, 55.0),
+    # A100 SXM4 80GB: 2,039 GB/s HBM2e, 312 TFLOPS BF16, 1410 MHz boost, 400 W.
+    "A100-80GB": GPUSpec("NVIDIA A100-SXM4-80GB", 80 * GIB, 2.039e12, 312e12, 1410e6, 1593e6, 400.0, 60.0),
+    # H100 SXM5 80GB: 3.35 TB/s HBM3, 989 TFLOPS BF16 dense, 1980 MHz boost, 700 W.
+    "H100-SXM": GPUSpec("NVIDIA H100 80GB HBM3", 80 * GIB, 3.35e12, 989e12, 1980e6, 2619e6, 700.0, 70.0),
+    # H200 SXM 141GB: 4.8 TB/s HBM3e, 989 TFLOPS BF16 dense, 1980 MHz boost, 700 W.
+    "H200": GPUSpec("NVIDIA H200", 141 * 10**9, 4.8e12, 989e12, 1980e6, 3201e6, 700.0, 75.0),
+    # L4 24GB: 300 GB/s GDDR6, 121 TFLOPS BF16 dense, 2040 MHz boost, 72 W.
+    "L4": GPUSpec("NVIDIA L4", 24 * GIB, 300e9, 121e12, 2040e6, 6251e6, 72.0, 16.0),
+}
+
+
+def spec(name: str) -> GPUSpec:
+    """The spec of a GPU by its short name (A100-80GB, H100-SXM, ...)."""
+    try:
+        return SPECS[name]
+    except KeyError:
+        raise GpudiagError(f"unknown GPU {name!r}; known: {', '.join(SPECS)}") from None

@@ -1,0 +1,329 @@
+"""KV-cache managers: how a request's keys and values get device memory.
+
+Every manager allocates through the device's caching allocator, so the
+memory behaviour (holes, retries, OOMs) is the allocator's, not scripted.
+
+- ``contiguous``: one region per request, grown by realloc+copy (a new,
+  larger region is allocated while the old one is still held, the KV copied,
+  the old one freed). The strategy of SCENARIOS.md §1.
+- ``chunked``: fixed-size chunks appended as the request grows; no
+  contiguity, so every hole is exactly one chunk and reusable.
+- ``paged``: one pool allocated at start, cut into blocks of ``block_size``
+  tokens; requests hold block tables (vLLM's PagedAttention layout).
+- ``reserve-max``: a region for the longest possible request at admission.
+
+A manager's methods return ``None`` on success and the failed request's size
+in bytes when device memory could not be had.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from gpudiag.errors import GpudiagError
+from gpudiag.reference_engine.allocator import CachingAllocator, OutOfMemory
+from gpudiag.reference_engine.sequence import Sequence
+
+MIB = 1024**2
+UNBOUNDED = 1 << 30  # steps: "no allocation needed in any horizon we look at"
+
+
+@dataclass
+class KVConfig:
+    """How KV memory is managed; one dataclass for every strategy."""
+
+    strategy: str = "paged"  # contiguous | chunked | paged | reserve-max
+    initial_bytes: int = 256 * MIB  # contiguous: first region
+    growth_factor: float = 2.0  # contiguous: each realloc multiplies the region by this
+    chunk_bytes: int = 256 * MIB  # chunked
+    block_size: int = 16  # paged: tokens per block
+    max_model_len: int = 8192  # reserve-max: tokens reserved per request
+
+    def validate(self) -> None:
+        """Raise GpudiagError on values no engine could run with."""
+        if self.strategy not in STRATEGIES:
+            raise GpudiagError(f"unknown KV strategy {self.strategy!r}; valid: {', '.join(STRATEGIES)}")
+        if self.block_size <= 0:
+            raise GpudiagError(f"block size must be a positive number of tokens, got {self.block_size}")
+        if self.initial_bytes <= 0 or self.chunk_bytes <= 0:
+            raise GpudiagError("KV region and chunk sizes must be positive")
+        if self.growth_factor <= 1.0:
+            raise GpudiagError(f"growth factor must be > 1, got {self.growth_factor}")
+        if self.max_model_len <= 0:
+            raise GpudiagError("max_model_len must be positive")
+
+
+class KVManager:
+    """Common bookkeeping: live tokens, bytes handed to requests, realloc copies."""
+
+    name = "base"
+
+    def __init__(self, allocator: CachingAllocator, bytes_per_token: int, capacity_bytes: int, cfg: KVConfig):
+        self.allocator = allocator
+        self.bytes_per_token = bytes_per_token
+        self.capacity_bytes = capacity_bytes
+        self.cfg = cfg
+        self.reserved_bytes = 0  # bytes held for requests (live tokens + slack)
+        self.live_tokens = 0  # tokens whose KV is stored
+        self.copy_bytes_total = 0  # bytes moved by realloc copies
+
+    # -- helpers -------------------------------------------------------
+    def _malloc(self, nbytes: int) -> int | None:
+        try:
+            return self.allocator.malloc(nbytes)
+        except OutOfMemory:
+            return None
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes holding tokens."""
+        return self.live_tokens * self.bytes_per_token
+
+    @property
+    def usage_ratio(self) -> float:
+        """Fraction of the KV capacity handed to requests (vLLM's kv_cache_usage_perc)."""
+        return min(1.0, self.reserved_bytes / self.capacity_bytes) if self.capacity_bytes else 0.0
+
+    # -- interface ---------------------------------------------------------
+    def estimate_bytes(self, tokens: int) -> int:
+        """Bytes the manager would hand a request of ``tokens`` tokens."""
+        return tokens * self.bytes_per_token
+
+    def allocate(self, seq: Sequence, tokens: int) -> int | None:
+        """Give a newly scheduled sequence room for ``tokens`` tokens."""
+        raise NotImplementedError
+
+    def grow(self, seq: Sequence, tokens: int) -> int | None:
+        """Make room for the sequence to hold ``tokens`` tokens (may reallocate)."""
+        raise NotImplementedError
+
+    def steps_without_alloc(self, seqs: list[Sequence]) -> int:
+        """How many decode steps every sequence can take before one needs an allocation."""
+        raise NotImplementedError
+
+    def advance(self, seqs: list[Sequence], k: int) -> None:
+        """Record that each sequence appended ``k`` tokens (within steps_without_alloc)."""
+        self.live_tokens += k * len(seqs)
+
+    def free(self, seq: Sequence) -> int:
+        """Release everything the sequence holds; returns the bytes released."""
+        raise NotImplementedError
+
+
+class _Region:
+    __slots__ = ("addrs", "capacity_tokens", "nbytes", "tokens")
+
+    def __init__(self):
+        self.addrs: list[int] = []
+        self.capacity_tokens = 0
+        self.nbytes = 0
+        self.tokens = 0
+
+
+class ContiguousKV(KVManager):
+    """One region per request, grown by realloc+copy."""
+
+    name = "contiguous"
+
+    def _size_for(self, tokens: int, current: int = 0) -> int:
+        need = tokens * self.bytes_per_token
+        size = current or self.cfg.initial_bytes
+        while size < need:
+            size = int(size * self.cfg.growth_factor)
+        return size
+
+    def allocate(self, seq, tokens):
+        size = self._size_for(tokens)
+        addr = self._malloc(size)
+        if addr is None:
+            return size
+        r = _Region()
+        r.addrs, r.nbytes, r.capacity_tokens, r.tokens = [addr], size, size // self.bytes_per_token, tokens
+        seq.kv = r
+        self.reserved_bytes += size
+        self.live_tokens += tokens
+        return None
+
+    def grow(self, seq, tokens):
+        r: _Region = seq.kv
+        if tokens <= r.capacity_tokens:
+            self.live_tokens += tokens - r.tokens
+            r.tokens = tokens
+            return None
+        size = self._size_for(tokens, r.nbytes)
+        addr = self._malloc(size)  # the old region is still held: realloc needs both
+        if addr is None:
+            return size
+        self.copy_bytes_total += r.tokens * self.bytes_per_token
+        self.allocator.free(r.addrs[0])
+        self.reserved_bytes += size - r.nbytes
+        self.live_tokens += tokens - r.tokens
+        r.addrs, r.nbytes, r.capacity_tokens, r.tokens = [addr], size, size // self.bytes_per_token, tokens
+        return None
+
+    def estimate_bytes(self, tokens):
+        return self._size_for(tokens)
+
+    def steps_without_alloc(self, seqs):
+        return min((s.kv.capacity_tokens - s.kv.tokens for s in seqs), default=UNBOUNDED)
+
+    def advance(self, seqs, k):
+        for s in seqs:
+            s.kv.tokens += k
+        super().advance(seqs, k)
+
+    def free(self, seq):
+        r: _Region = seq.kv
+        for a in r.addrs:
+            self.allocator.free(a)
+        self.reserved_bytes -= r.nbytes
+        self.live_tokens -= r.tokens
+        seq.kv = None
+        return r.nbytes
+
+
+class ReserveMaxKV(ContiguousKV):
+    """A region for max_model_len tokens at admission; never grows."""
+
+    name = "reserve-max"
+
+    def _size_for(self, tokens, current=0):
+        return max(tokens, self.cfg.max_model_len) * self.bytes_per_token
+
+
+class ChunkedKV(ContiguousKV):
+    """Fixed-size chunks appended as the request grows; no contiguity needed."""
+
+    name = "chunked"
+
+    def _chunks_for(self, tokens: int) -> int:
+        return max(1, math.ceil(tokens * self.bytes_per_token / self.cfg.chunk_bytes))
+
+    def estimate_bytes(self, tokens):
+        return self._chunks_for(tokens) * self.cfg.chunk_bytes
+
+    def allocate(self, seq, tokens):
+        r = _Region()
+        seq.kv = r
+        failed = self._add_chunks(r, self._chunks_for(tokens))
+        if failed is not None:
+            self.free(seq)
+            return failed
+        r.tokens = tokens
+        self.live_tokens += tokens
+        return None
+
+    def _add_chunks(self, r: _Region, n: int) -> int | None:
+        per_chunk_tokens = self.cfg.chunk_bytes // self.bytes_per_token
+        while len(r.addrs) < n:
+            addr = self._malloc(self.cfg.chunk_bytes)
+            if addr is None:
+                return self.cfg.chunk_bytes
+            r.addrs.append(addr)
+            r.nbytes += self.cfg.chunk_bytes
+            r.capacity_tokens += per_chunk_tokens
+            self.reserved_bytes += self.cfg.chunk_bytes
+        return None
+
+    def grow(self, seq, tokens):
+        r: _Region = seq.kv
+        if tokens > r.capacity_tokens:
+            failed = self._add_chunks(r, self._chunks_for(tokens))
+            if failed is not None:
+                return failed
+        self.live_tokens += tokens - r.tokens
+        r.tokens = tokens
+        return None
+
+
+class PagedKV(KVManager):
+    """vLLM-style paged KV: one preallocated pool of fixed-size blocks, block tables per request."""
+
+    name = "paged"
+
+    def __init__(self, allocator, bytes_per_token, capacity_bytes, cfg):
+        super().__init__(allocator, bytes_per_token, capacity_bytes, cfg)
+        self.block_bytes = cfg.block_size * bytes_per_token
+        self.num_blocks = capacity_bytes // self.block_bytes
+        if self.num_blocks == 0:
+            raise GpudiagError("the KV pool cannot hold a single block: no device memory left after the weights")
+        self.pool_addr = allocator.malloc(self.num_blocks * self.block_bytes)
+        self.free_blocks = self.num_blocks
+        self.capacity_bytes = self.num_blocks * self.block_bytes
+
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.cfg.block_size)
+
+    def estimate_bytes(self, tokens):
+        return self._blocks_for(tokens) * self.block_bytes
+
+    def allocate(self, seq, tokens):
+        need = self._blocks_for(tokens)
+        if need > self.free_blocks:
+            return need * self.block_bytes
+        self.free_blocks -= need
+        seq.kv = [need, tokens]  # [blocks held, tokens stored]
+        self.reserved_bytes += need * self.block_bytes
+        self.live_tokens += tokens
+        return None
+
+    def grow(self, seq, tokens):
+        held, stored = seq.kv
+        need = self._blocks_for(tokens) - held
+        if need > self.free_blocks:
+            return need * self.block_bytes
+        if need > 0:
+            self.free_blocks -= need
+            self.reserved_bytes += need * self.block_bytes
+            seq.kv[0] = held + need
+        seq.kv[1] = tokens
+        self.live_tokens += tokens - stored
+        return None
+
+    def _blocks_needed(self, seqs, k: int) -> int:
+        bs = self.cfg.block_size
+        return sum(max(0, -(-(s.kv[1] + k) // bs) - s.kv[0]) for s in seqs)
+
+    def steps_without_alloc(self, seqs):
+        # Blocks come from the pool without touching the allocator; the limit is
+        # the pool running dry. Largest k with blocks_needed(k) <= free.
+        if not seqs:
+            return UNBOUNDED
+        lo, hi = 0, max(1, self.free_blocks * self.cfg.block_size // len(seqs) + self.cfg.block_size)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._blocks_needed(seqs, mid) <= self.free_blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def advance(self, seqs, k):
+        bs = self.cfg.block_size
+        for s in seqs:
+            held, stored = s.kv
+            need = max(0, -(-(stored + k) // bs) - held)
+            s.kv[0] = held + need
+            s.kv[1] = stored + k
+            self.free_blocks -= need
+            self.reserved_bytes += need * self.block_bytes
+        super().advance(seqs, k)
+
+    def free(self, seq):
+        held, stored = seq.kv
+        self.free_blocks += held
+        self.reserved_bytes -= held * self.block_bytes
+        self.live_tokens -= stored
+        seq.kv = None
+        return held * self.block_bytes
+
+
+STRATEGIES = {"contiguous": ContiguousKV, "chunked": ChunkedKV, "paged": PagedKV, "reserve-max": ReserveMaxKV}
+
+
+def make_kv_manager(cfg: KVConfig, allocator: CachingAllocator, bytes_per_token: int,
+                    capacity_bytes: int) -> KVManager:
+    """Build the manager ``cfg.strategy`` names."""
+    cfg.validate()
+    return STRATEGIES[cfg.strategy](allocator, bytes_per_token, capacity_bytes, cfg)

@@ -1,0 +1,234 @@
+"""Continuous batching: which sequences run in the next step, and who is evicted.
+
+Two loops, as in nano-vllm: admit waiting sequences into a prefill step while
+memory allows; otherwise run one decode step over the running batch, making
+room for each sequence's next token and preempting (by recompute) when the
+KV manager cannot.
+
+Preemption policies (victim among the running batch):
+- ``lru``: the least recently (re)admitted sequence, i.e. the one whose KV
+  has been resident longest. Every running sequence is touched every step,
+  so residency is the only recency that separates them. Tiers are ignored.
+- ``priority``: only sequences of the same or a lower tier than the one
+  that needs room are candidates (a running request of a higher tier is
+  never evicted); the lowest tier goes first, LRU within a tier. With no
+  candidate, the sequence that needs room preempts itself.
+
+Batching (admission):
+- ``fcfs``: in arrival order while the KV manager can allocate.
+- ``memory-aware``: also by estimated footprint: a sequence is admitted only
+  if the estimated final KV bytes of the running batch plus its own stay
+  under ``memory_watermark`` of the KV capacity, and very long sequences are
+  kept apart from batches of short ones (at most ``max_long_seqs`` at once).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from gpudiag.errors import GpudiagError
+from gpudiag.reference_engine.kv_manager import KVManager
+from gpudiag.reference_engine.sequence import Sequence, Status
+
+POLICIES = ("lru", "priority")
+BATCHING = ("fcfs", "memory-aware")
+
+
+@dataclass
+class SchedulerConfig:
+    """Batch limits, preemption policy and admission rule."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 16384
+    policy: str = "lru"
+    batching: str = "fcfs"
+    memory_watermark: float = 0.9
+    long_seq_tokens: int = 2048
+    max_long_seqs: int = 16
+    admission_lookahead: int = 16
+
+    def validate(self) -> None:
+        """Raise GpudiagError on values no scheduler could run with."""
+        if self.policy not in POLICIES:
+            raise GpudiagError(f"unknown preemption policy {self.policy!r}; valid: {', '.join(POLICIES)}")
+        if self.batching not in BATCHING:
+            raise GpudiagError(f"unknown batching {self.batching!r}; valid: {', '.join(BATCHING)}")
+        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
+            raise GpudiagError("max_num_seqs and max_num_batched_tokens must be positive")
+        if not 0.0 < self.memory_watermark <= 1.0:
+            raise GpudiagError("memory_watermark must be in (0, 1]")
+
+
+@dataclass
+class StepStats:
+    """What the last scheduling decision did to memory."""
+
+    alloc_failures: int = 0
+    evictions: int = 0
+    largest_failed_bytes: int = 0
+    recomputed_tokens: int = 0
+
+
+class Scheduler:
+    """Waiting deque, running list, one policy; the same code on every device."""
+
+    def __init__(self, cfg: SchedulerConfig, kv: KVManager):
+        cfg.validate()
+        self.cfg = cfg
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        # After a KV allocation of S bytes fails, requests needing >= S bytes
+        # are not tried again until S bytes have been freed: each failed try
+        # runs the allocator's expensive retry path (cudaFree of cached
+        # segments, a device synchronize) for nothing. Smaller ones still are.
+        self._fail_floor_bytes = math.inf
+        self._freed_since_fail = 0
+        self.stats = StepStats()
+        self._running_estimate = 0  # memory-aware: estimated final bytes of the running batch
+        self._running_long = 0
+
+    # -- queue ---------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _candidates(self):
+        return itertools.islice(self.waiting, self.cfg.admission_lookahead + 1)
+
+    def _worth_trying(self, seq: Sequence) -> bool:
+        return self.kv.estimate_bytes(seq.num_tokens + 1) < self._fail_floor_bytes
+
+    @property
+    def admission_blocked(self) -> bool:
+        """True while no request near the head of the queue could get KV memory."""
+        return not any(self._worth_trying(s) for s in self._candidates())
+
+    def _freed(self, nbytes: int) -> None:
+        self._freed_since_fail += nbytes
+        if self._freed_since_fail >= self._fail_floor_bytes:
+            self._fail_floor_bytes = math.inf
+
+    def can_admit(self) -> bool:
+        """True when a prefill step could start now."""
+        return bool(self.waiting) and len(self.running) < self.cfg.max_num_seqs and not self.admission_blocked
+
+    # -- prefill ---------------------------------------------------------------
+    def schedule_prefill(self, now: float) -> list[Sequence]:
+        """Admit waiting sequences into one prefill step; [] when none can be admitted.
+
+        When the sequence at the head cannot get KV memory, up to
+        ``admission_lookahead`` sequences behind it are tried, so one large
+        recompute does not block every short request behind it.
+        """
+        batch: list[Sequence] = []
+        tokens = 0
+        skipped: list[Sequence] = []
+        while self.waiting and len(self.running) + len(batch) < self.cfg.max_num_seqs \
+                and len(skipped) <= self.cfg.admission_lookahead:
+            seq = self.waiting[0]
+            n = seq.num_tokens
+            if batch and tokens + n > self.cfg.max_num_batched_tokens:
+                break
+            if self.cfg.batching == "memory-aware" and not self._fits_estimate(seq):
+                break
+            if not self._worth_trying(seq):
+                skipped.append(self.waiting.popleft())
+                continue
+            failed = self.kv.allocate(seq, n + 1)
+            if failed is not None:
+                self._note_failure(failed)
+                self._fail_floor_bytes = min(self._fail_floor_bytes, failed)
+                self._freed_since_fail = 0
+                skipped.append(self.waiting.popleft())
+                continue
+            self.waiting.popleft()
+            if seq.first_scheduled_s is None:
+                seq.first_scheduled_s = now
+            if seq.preemptions:
+                self.stats.recomputed_tokens += n
+            seq.status = Status.RUNNING
+            seq.admitted_s = now
+            self._track(seq, +1)
+            batch.append(seq)
+            tokens += n
+        self.waiting.extendleft(reversed(skipped))  # they keep their places at the head
+        self.running.extend(batch)
+        return batch
+
+    def _estimate(self, seq: Sequence) -> int:
+        return self.kv.estimate_bytes(seq.estimated_final_tokens)
+
+    def _is_long(self, seq: Sequence) -> bool:
+        return seq.estimated_final_tokens >= self.cfg.long_seq_tokens
+
+    def _fits_estimate(self, seq: Sequence) -> bool:
+        if self._is_long(seq) and self._running_long >= self.cfg.max_long_seqs:
+            return False
+        budget = self.cfg.memory_watermark * self.kv.capacity_bytes
+        return self._running_estimate + self._estimate(seq) <= budget or not self.running
+
+    def _track(self, seq: Sequence, sign: int) -> None:
+        if self.cfg.batching == "memory-aware":
+            self._running_estimate += sign * self._estimate(seq)
+            self._running_long += sign * int(self._is_long(seq))
+
+    # -- decode ----------------------------------------------------------------
+    def prepare_decode(self, now: float) -> list[Sequence]:
+        """Make room for one more token of every running sequence; returns the decode batch."""
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING:
+                continue  # evicted earlier in this loop
+            self._make_room(seq, seq.num_tokens + 1)
+        return self.running
+
+    def _make_room(self, seq: Sequence, tokens: int) -> bool:
+        while True:
+            failed = self.kv.grow(seq, tokens)
+            if failed is None:
+                return True
+            self._note_failure(failed)
+            victim = self._victim(seq)
+            self.preempt(victim or seq)
+            if victim is None:
+                return False
+
+    def _victim(self, needy: Sequence) -> Sequence | None:
+        others = [s for s in self.running if s is not needy]
+        if self.cfg.policy == "priority":
+            others = [s for s in others if s.tier >= needy.tier]
+            if not others:
+                return None
+            return min(others, key=lambda s: (-s.tier, s.admitted_s, s.seq_id))
+        if not others:
+            return None
+        return min(others, key=lambda s: (s.admitted_s, s.seq_id))
+
+    def _note_failure(self, failed_bytes: int) -> None:
+        self.stats.alloc_failures += 1
+        self.stats.largest_failed_bytes = max(self.stats.largest_failed_bytes, failed_bytes)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Evict a running sequence's KV and put it back at the head of the queue (recompute later)."""
+        self._freed(self.kv.free(seq))
+        self.running.remove(seq)
+        self._track(seq, -1)
+        seq.status = Status.WAITING
+        seq.preemptions += 1
+        self.waiting.appendleft(seq)
+        self.stats.evictions += 1
+
+    # -- completion --------------------------------------------------------------
+    def finish(self, seq: Sequence, now: float) -> None:
+        """A sequence produced its last token: release its KV."""
+        self._freed(self.kv.free(seq))
+        self.running.remove(seq)
+        self._track(seq, -1)
+        seq.status = Status.FINISHED
+        seq.finish_s = now

@@ -1,0 +1,236 @@
+"""The simulated GPU: memory through the caching-allocator model, time through a roofline.
+
+Nothing here computes: an engine step is charged the time a real GPU would
+need for it, from bytes moved over HBM and FLOPs at peak (the roofline), plus
+the host-side work around it. GPU utilization is the busy fraction of each
+sample interval, as NVML defines utilization.gpu (the fraction of time one or
+more kernels were executing).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from gpudiag.errors import GpudiagError
+from gpudiag.reference_engine.allocator import CachingAllocator, DeviceMemory
+from gpudiag.reference_engine.gpu_specs import GIB, GPUSpec
+
+MIB = 1024**2
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the cost model needs to know about a model."""
+
+    name: str
+    params: float
+    num_layers: int
+    hidden_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int = 2
+    kv_dtype_bytes: int = 2  # 1 for an fp8 KV cache (vLLM's kv_cache_dtype=fp8)
+
+    @property
+    def weight_bytes(self) -> int:
+        return int(self.params * self.dtype_bytes)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V for every layer and KV head."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype_bytes
+
+
+MODELS = {
+    # Llama-2-7B: 32 layers, hidden 4096, 32 KV heads of 128 (no GQA): 512 KiB of KV per token.
+    "llama-7b": ModelShape("llama-7b", 6.74e9, 32, 4096, 32, 128),
+    # Mistral-7B: GQA with 8 KV heads: 128 KiB per token.
+    "mistral-7b": ModelShape("mistral-7b", 7.24e9, 32, 4096, 8, 128),
+    # Mistral-7B with an fp8 KV cache: 64 KiB per token.
+    "mistral-7b-kv8": ModelShape("mistral-7b-kv8", 7.24e9, 32, 4096, 8, 128, 2, 1),
+    # Llama-3-8B: 32 layers, 8 KV heads.
+    "llama3-8b": ModelShape("llama3-8b", 8.03e9, 32, 4096, 8, 128),
+}
+
+
+@dataclass
+class CostModel:
+    """Time of engine work on a GPU and on the host.
+
+    GPU figures are fractions of the datasheet peak that a serving engine
+    reaches; host figures are those of a Python engine loop (nano-vllm /
+    vLLM V0 class) on a server CPU.
+    """
+
+    # Decode is bandwidth-bound; good kernels reach ~80 % of HBM peak.
+    bandwidth_efficiency: float = 0.8
+    # Prefill GEMMs reach ~60 % of tensor-core peak at serving batch sizes.
+    flops_efficiency: float = 0.6
+    # ~10 kernel launches per layer at ~5 µs each, not hidden without CUDA graphs.
+    launch_overhead_s_per_layer: float = 50e-6
+    # Python scheduling, sampling and detokenization per engine step.
+    host_step_s: float = 6.0e-3
+    host_per_seq_s: float = 20e-6
+    # Per-request host work outside the step loop (tokenize, HTTP, queueing).
+    host_per_request_s: float = 1.0e-3
+    # cudaMalloc maps pages (~0.5 ms per GiB on A100-class parts) on top of a fixed cost.
+    cuda_malloc_s: float = 0.2e-3
+    cuda_malloc_s_per_gib: float = 0.5e-3
+    # cudaFree implicitly synchronizes the device and unmaps pages.
+    cuda_free_s: float = 0.5e-3
+    cuda_free_s_per_gib: float = 1.0e-3
+    # An allocation retry synchronizes and walks every cached segment.
+    alloc_retry_s: float = 2.0e-3
+    # Evicting a request: victim selection, freeing, re-queueing, block-table/region bookkeeping.
+    eviction_host_s: float = 1.5e-3
+
+    def decode_gpu_s(self, spec: GPUSpec, model: ModelShape, batch: int, context_tokens: int) -> float:
+        """One decode step of ``batch`` sequences holding ``context_tokens`` tokens of KV in all."""
+        bytes_moved = model.weight_bytes + context_tokens * model.kv_bytes_per_token
+        t_mem = bytes_moved / (spec.hbm_bandwidth_bytes_per_s * self.bandwidth_efficiency)
+        t_flop = 2.0 * model.params * batch / (spec.peak_bf16_flops * self.flops_efficiency)
+        return max(t_mem, t_flop) + self.launch_overhead_s_per_layer * model.num_layers
+
+    def prefill_gpu_s(self, spec: GPUSpec, model: ModelShape, token_counts: list[int]) -> float:
+        """One prefill step over sequences of the given lengths (recompute included)."""
+        tokens = sum(token_counts)
+        # Linear layers 2*P FLOPs per token; causal attention ~2*L*d*n^2 per sequence.
+        flops = 2.0 * model.params * tokens + sum(
+            2.0 * model.num_layers * model.hidden_size * n * n for n in token_counts)
+        t_flop = flops / (spec.peak_bf16_flops * self.flops_efficiency)
+        bytes_moved = model.weight_bytes + tokens * model.kv_bytes_per_token
+        t_mem = bytes_moved / (spec.hbm_bandwidth_bytes_per_s * self.bandwidth_efficiency)
+        return max(t_flop, t_mem) + self.launch_overhead_s_per_layer * model.num_layers
+
+    def copy_gpu_s(self, spec: GPUSpec, nbytes: int) -> float:
+        """A device-to-device copy reads and writes every byte."""
+        return 2.0 * nbytes / (spec.hbm_bandwidth_bytes_per_s * self.bandwidth_efficiency)
+
+    def host_step_cost_s(self, batch: int) -> float:
+        return self.host_step_s + self.host_per_seq_s * batch
+
+    def allocator_host_s(self, mallocs: int, malloc_bytes: int, frees: int, free_bytes: int, retries: int) -> float:
+        """Host time of the driver calls the caching allocator made."""
+        return (mallocs * self.cuda_malloc_s + malloc_bytes / GIB * self.cuda_malloc_s_per_gib
+                + frees * self.cuda_free_s + free_bytes / GIB * self.cuda_free_s_per_gib
+                + retries * self.alloc_retry_s)
+
+
+class LimitedDeviceMemory(DeviceMemory):
+    """HBM with a per-owner cap: torch.cuda.set_per_process_memory_fraction for the engine."""
+
+    def __init__(self, total_bytes: int):
+        super().__init__(total_bytes)
+        self.limits: dict[str, int] = {}
+
+    def reserve(self, nbytes: int, owner: str) -> bool:
+        limit = self.limits.get(owner)
+        if limit is not None and self.used_bytes(owner) + nbytes > limit:
+            return False
+        return super().reserve(nbytes, owner)
+
+
+class BusyTimeline:
+    """Per-second accounting of GPU-busy and host-busy time on the virtual clock."""
+
+    def __init__(self):
+        self.gpu: list[float] = []
+        self.host: list[float] = []
+
+    def _grow(self, second: int) -> None:
+        while len(self.gpu) <= second:
+            self.gpu.append(0.0)
+            self.host.append(0.0)
+
+    def add(self, t0: float, t1: float, gpu_fraction: float) -> None:
+        """Charge [t0, t1) with ``gpu_fraction`` of it GPU-busy and the rest host-busy."""
+        if t1 <= t0:
+            return
+        s = int(t0)
+        last = int(math.ceil(t1)) - 1
+        self._grow(last)
+        t = t0
+        while s <= last:
+            end = min(t1, s + 1.0)
+            span = end - t
+            if span > 0:
+                self.gpu[s] += span * gpu_fraction
+                self.host[s] += span * (1.0 - gpu_fraction)
+            t = end
+            s += 1
+
+    def add_host(self, t0: float, t1: float) -> None:
+        self.add(t0, t1, 0.0)
+
+    def second(self, s: int) -> tuple[float, float]:
+        """(GPU-busy, host-busy) seconds within second ``s``."""
+        if s < len(self.gpu):
+            return min(1.0, self.gpu[s]), min(1.0, self.host[s])
+        return 0.0, 0.0
+
+
+@dataclass
+class DeviceLayout:
+    """Where the device memory goes before any KV is stored."""
+
+    cuda_context_bytes: int = 512 * MIB  # the driver's context, charged to the process
+    memory_fraction: float = 0.75  # of the device the engine may use (torch per-process fraction)
+    activation_bytes: int = 2 * GIB  # workspace for activations, allocated once
+
+
+class SimGPU:
+    """One simulated GPU: HBM shared by owners, the engine's caching allocator, a cost model."""
+
+    ENGINE = "engine"
+
+    def __init__(self, spec: GPUSpec, model: ModelShape, layout: DeviceLayout | None = None,
+                 cost: CostModel | None = None, *, max_split_size_bytes: int | None = None,
+                 expandable_segments: bool = False, other_tenant_bytes: int = 0):
+        self.spec = spec
+        self.model = model
+        self.layout = layout or DeviceLayout()
+        self.cost = cost or CostModel()
+        self.memory = LimitedDeviceMemory(spec.memory_bytes)
+        if other_tenant_bytes and not self.memory.reserve(other_tenant_bytes, "cotenant"):
+            raise GpudiagError("the co-tenant's memory does not fit the device")
+        if not 0.0 < self.layout.memory_fraction <= 1.0:
+            raise GpudiagError(f"memory fraction must be in (0, 1], got {self.layout.memory_fraction}")
+        engine_limit = int(spec.memory_bytes * self.layout.memory_fraction)
+        self.memory.limits[self.ENGINE] = engine_limit
+        if not self.memory.reserve(self.layout.cuda_context_bytes, self.ENGINE + ":context"):
+            raise GpudiagError("the CUDA context does not fit the device")
+        self.allocator = CachingAllocator(self.memory, self.ENGINE, max_split_size_bytes=max_split_size_bytes,
+                                          expandable_segments=expandable_segments)
+        need = model.weight_bytes + self.layout.activation_bytes
+        if need > min(engine_limit, self.memory.free_bytes()):
+            raise GpudiagError(
+                f"the workload cannot fit: {model.name} weights ({model.weight_bytes / GIB:.1f} GiB) plus "
+                f"activations need {need / GIB:.1f} GiB but {spec.name} gives the engine "
+                f"{min(engine_limit, self.memory.free_bytes()) / GIB:.1f} GiB")
+        self.weights_addr = self.allocator.malloc(model.weight_bytes)
+        self.activations_addr = self.allocator.malloc(self.layout.activation_bytes)
+        self.busy = BusyTimeline()
+        self._last_stats = self.allocator.stats()
+
+    @property
+    def kv_capacity_bytes(self) -> int:
+        """Device memory left for KV under the engine's cap."""
+        engine_limit = self.memory.limits[self.ENGINE]
+        return max(0, min(engine_limit - self.memory.used_bytes(self.ENGINE),
+                          self.memory.free_bytes()))
+
+    def driver_bytes(self) -> int:
+        """Black: what the driver charges the engine process (segments plus context)."""
+        return self.memory.used_bytes(self.ENGINE) + self.memory.used_bytes(self.ENGINE + ":context")
+
+    def allocator_host_time_since_last(self) -> tuple[float, int]:
+        """Host time of allocator driver calls since the last call, and the retries among them."""
+        s = self.allocator.stats()
+        last = self._last_stats
+        self._last_stats = s
+        retries = s.num_alloc_retries - last.num_alloc_retries
+        t = self.cost.allocator_host_s(
+            s.num_device_mallocs - last.num_device_mallocs, s.device_malloc_bytes - last.device_malloc_bytes,
+            s.num_device_frees - last.num_device_frees, s.device_free_bytes - last.device_free_bytes, retries)
+        return t, retries

@@ -1,0 +1,115 @@
+"""SCENARIOS.md §1 on the simulated GPU: the storm emerges from the mechanism, and paged KV removes it."""
+
+import pytest
+
+from gpudiag import repro
+from gpudiag.reference_engine import scenarios
+
+
+@pytest.fixture(scope="module")
+def storm():
+    sc = scenarios.get("kv-eviction-storm")
+    res = repro.run(sc, None, seed=0)
+    return res, repro.document(res)
+
+
+@pytest.fixture(scope="module")
+def paged():
+    sc = scenarios.get("kv-eviction-storm")
+    res = repro.run(sc, "paged-kv", seed=0)
+    return res, repro.document(res)
+
+
+def phases(doc):
+    return {p["name"]: p for p in doc["phases"]}
+
+
+def test_the_long_phase_brings_allocation_failures_and_evictions_that_calm_phases_do_not(storm):
+    _, doc = storm
+    ph = phases(doc)
+    assert ph["before"]["evictions"] == 0 and ph["before"]["alloc_failures"] == 0
+    assert ph["during"]["alloc_failures"] > 100
+    assert ph["during"]["evictions"] > 50
+    assert ph["after"]["evictions"] < ph["during"]["evictions"] / 2
+
+
+def test_the_load_stays_the_same_across_phases(storm):
+    _, doc = storm
+    qps = [p["qps"] for p in doc["phases"]]
+    assert max(qps) / min(qps) < 1.05
+
+
+def test_decode_latency_rises_while_time_to_first_token_stays_near_normal(storm):
+    _, doc = storm
+    ph = phases(doc)
+    before, during = ph["before"]["slo"], ph["during"]["slo"]
+    assert during["tpot_p99_s"] >= 1.5 * before["tpot_p99_s"]
+    assert during["tpot_p999_s"] >= 1.7 * before["tpot_p999_s"]
+    assert during["ttft_p50_s"] <= 1.5 * before["ttft_p50_s"]
+    assert ph["after"]["slo"]["tpot_p50_s"] <= 1.1 * before["tpot_p50_s"]
+
+
+def test_fragmentation_is_found_with_a_failed_request_larger_than_the_largest_hole(storm):
+    res, _ = storm
+    frag = [f for f in res.findings if f.kind == "memory_fragmentation"]
+    assert frag, "no memory_fragmentation finding"
+    a, b = scenarios.STORM_LONG_PHASE
+    assert all(a <= f.start_s <= b + 300 for f in frag)
+    worst = max(frag, key=lambda f: f.details["failures_with_free_memory"])
+    ev = {e.metric: e for e in worst.evidence}
+    failed = ev["engine_kv_failed_request_bytes"].observed
+    assert failed > ev["process_torch_largest_free_block_bytes"].observed
+    assert ev["process_reserved_minus_allocated_bytes"].observed >= failed
+    assert ev["external_fragmentation_ratio"].observed >= 0.5
+
+
+def test_an_eviction_storm_is_found_and_traced_back_to_fragmentation(storm):
+    res, _ = storm
+    storms = [f for f in res.findings if f.kind == "kv_eviction_storm"]
+    assert len(storms) >= 1
+    s = storms[0]
+    a, b = scenarios.STORM_LONG_PHASE
+    assert a <= s.start_s and s.end_s <= b + 600
+    frag_ids = {f.id for f in res.findings if f.kind == "memory_fragmentation"}
+    assert set(s.caused_by) & frag_ids
+    ev = {e.metric: e for e in s.evidence}
+    assert ev["tpot_p99_seconds"].observed > ev["tpot_p99_seconds"].baseline
+    assert ev["recomputed_token_share"].observed >= 0.05
+    # Utilization swings harder during the storm than outside it.
+    osc = ev["gpu_utilization_oscillation_ratio"]
+    assert osc.observed >= 1.5 * osc.baseline
+    # The chain puts the root cause first.
+    kinds = [f.kind for f in res.findings]
+    assert kinds.index("memory_fragmentation") < kinds.index("kv_eviction_storm")
+
+
+def test_paged_kv_removes_the_storm_and_keeps_decode_latency_close_to_normal(paged):
+    res, doc = paged
+    assert doc["totals"]["evictions"] == 0
+    assert doc["totals"]["alloc_failures"] == 0
+    assert not [f for f in res.findings if f.kind in ("kv_eviction_storm", "memory_fragmentation")]
+    before = phases(doc)["before"]["slo"]
+    assert doc["slo"]["tpot_p999_s"] <= 1.5 * before["tpot_p99_s"]
+
+
+def test_the_document_has_the_documented_schema(storm):
+    _, doc = storm
+    for key in ("scenario", "fix", "seed", "slo", "phases", "totals", "findings"):
+        assert key in doc
+    slo_keys = {"ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "tpot_p999_s", "e2e_p99_s"}
+    assert slo_keys <= set(doc["slo"])
+    assert [p["name"] for p in doc["phases"]] == ["before", "during", "after"]
+    for p in doc["phases"]:
+        assert {"name", "start_s", "end_s", "slo", "gpu_util_mean", "gpu_util_min", "gpu_util_max",
+                "evictions", "alloc_failures"} <= set(p)
+        assert slo_keys <= set(p["slo"])
+    assert {"requests", "evictions", "recomputed_tokens", "alloc_failures", "num_alloc_retries",
+            "num_ooms"} <= set(doc["totals"])
+    for f in doc["findings"]:
+        assert {"id", "kind", "severity", "start_s", "end_s", "gpu", "summary", "evidence", "caused_by",
+                "runbook", "fixes"} <= set(f)
+        assert f["severity"] in ("critical", "warning", "info")
+        for e in f["evidence"]:
+            assert {"metric", "observed", "baseline", "threshold"} <= set(e)
+        sc = scenarios.get(doc["scenario"])
+        assert set(f["fixes"]) <= set(sc.fixes)

@@ -1,0 +1,359 @@
+"""The Prometheus endpoint: what a scrape of a busy node shows, and who may scrape it."""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import logging
+import shutil
+import socket
+import ssl
+import subprocess
+import urllib.error
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpudiag.agent.prom_exporter import (
+    LATENCY_BUCKETS_S,
+    BasicAuth,
+    LatestFrames,
+    hash_password,
+    parse_listen,
+    registry_for,
+    serve,
+)
+from gpudiag.catalog import BY_NAME, CATALOG, HISTOGRAM, INFO, METRICS, M
+from gpudiag.errors import GpudiagError
+from gpudiag.findings import Finding, Severity
+from gpudiag.frames import Frame
+
+GIB = 1024**3
+T = 1_767_225_600.0
+
+
+def small_node(t: float = T, processes: int = 2) -> list[Frame]:
+    """Two GPUs with a few processes, an engine each, finished requests and the eBPF view."""
+    gpu_rows, proc_rows, engine_rows, requests, api_rows = [], [], [], [], []
+    for g in range(2):
+        labels = {"node": "node-a", "gpu": g, "uuid": f"GPU-{g}0000000-aaaa"}
+        gpu_rows.append({
+            **labels, "name": "NVIDIA H100 80GB HBM3", "pci_bus_id": f"00000000:1{g}:00.0",
+            "driver_version": "550.54.15", "cuda_driver_version": "12.4", "mig_mode": "disabled",
+            "virtualization_mode": "none", M.gpu_info: 1,
+            M.gpu_utilization_ratio: 0.63 + g / 100,
+            M.gpu_memory_used_bytes: 70 * GIB,
+            M.gpu_memory_total_bytes: 80 * GIB,
+            M.gpu_power_watts: 612.5,
+            M.gpu_fan_speed_ratio: None,  # not measured (SXM parts have no fan): no sample
+            M.gpu_temperature_celsius: float("nan"),  # not measured either
+            M.gpu_ecc_errors_total: {"volatile": {"corrected": 2, "uncorrected": 0},
+                                     "aggregate": {"corrected": 7, "uncorrected": 1}},
+            M.gpu_clock_throttle_active: {"sw_power_cap": 1, "hw_slowdown": 0},
+            M.gpu_xid_errors_total: {79: 1} if g == 1 else {},
+        })
+        for j in range(processes):
+            proc_rows.append({**labels, "pid": 4000 + 10 * g + j, "process": "python3",
+                              M.process_gpu_memory_bytes: (40 + j) * GIB,
+                              M.process_torch_allocated_bytes: 30 * GIB if j == 0 else None,
+                              M.process_context_switches_total: {"voluntary": 900, "involuntary": 12}})
+        engine_rows.append({"node": "node-a", "gpu": g, "engine": "vllm", "model": "llama-3-8b",
+                            "fingerprint": "9f2c", M.engine_model_info: 1,
+                            M.num_requests_running: 24, M.kv_cache_usage_perc: 0.91,
+                            M.engine_kv_evictions_total: 17,
+                            M.engine_serving_state: {"serving": 1, "draining": 0}})
+        for latency in (0.004, 0.09, 2.5):
+            requests.append({"node": "node-a", "gpu": g, "engine": "vllm", "request_id": f"r{g}-{latency}",
+                             M.time_to_first_token_seconds: latency, M.e2e_request_latency_seconds: latency * 10})
+    api_rows.append({"node": "node-a", "pid": 4000, "process": "python3", "api": "cudaMalloc",
+                     M.cuda_api_calls_total: 420,
+                     M.cuda_api_latency_seconds: {"buckets": [(1e-06, 100.0), (4e-06, 400.0), (float("inf"), 420.0)],
+                                                  "sum": 0.0012, "count": 420}})
+    api_rows.append({"node": "node-a", "pid": 4000, "process": "python3", "api": "cudaMalloc", "code": 2,
+                     M.cuda_api_errors_total: 3})
+    return [Frame("gpu", t, gpu_rows), Frame("process", t, proc_rows), Frame("engine", t, engine_rows),
+            Frame("request", t, requests), Frame("cuda_api", t, api_rows),
+            Frame("node", t, [{"node": "node-a", M.node_load1: 3.5}])]
+
+
+def scrape(url: str, **kwargs) -> tuple[int, str, dict]:
+    """GET url; (status, body, headers), also for 4xx answers."""
+    req = urllib.request.Request(url, headers=kwargs.pop("headers", {}))
+    try:
+        with urllib.request.urlopen(req, timeout=10, **kwargs) as resp:
+            return resp.status, resp.read().decode(), dict(resp.headers)
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode(), dict(err.headers)
+
+
+def samples_of(text: str) -> dict[str, dict[tuple, float]]:
+    """{sample name: {sorted label items: value}}."""
+    out: dict[str, dict[tuple, float]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def latest_with_findings(**kwargs) -> LatestFrames:
+    latest = LatestFrames(node="node-a", **kwargs)
+    latest.update(small_node())
+    latest.set_agent_rows([{"probe": "nvml", M.agent_tick_seconds: 0.004},
+                           {"probe": "nvml", "kind": "timeout", M.agent_probe_errors_total: 2},
+                           {"kind": "disk_full", M.agent_store_errors_total: 5}])
+    storm = Finding("kv_eviction_storm", Severity.CRITICAL, T - 60, T, "evictions 40/s", gpu=1, node="node-a", pid=4010)
+    same_entity = Finding("kv_eviction_storm", Severity.CRITICAL, T - 30, T, "evictions", gpu=1, node="node-a", pid=4011)
+    latest.set_findings([storm, same_entity.to_dict()])
+    return latest
+
+
+@pytest.fixture
+def served():
+    servers = []
+
+    def start(latest: LatestFrames, **kwargs):
+        server = serve(registry_for(latest), port=0, **kwargs)
+        servers.append(server)
+        return server
+
+    yield start
+    for s in servers:
+        s.close()
+
+
+def test_a_scrape_shows_the_newest_frames_with_catalog_names_help_and_labels(served):
+    server = served(latest_with_findings())
+    assert server.host == "127.0.0.1"  # the default bind
+    status, body, headers = scrape(server.url)
+    assert status == 200 and headers["Content-Type"].startswith("text/plain; version=0.0.4")
+    families = list(text_string_to_metric_families(body))
+    for fam in families:
+        metric = BY_NAME.get(fam.name) or BY_NAME.get(fam.name + "_total") or BY_NAME.get(fam.name + "_info")
+        assert metric is not None, f"{fam.name} is not a catalog name"
+        assert fam.documentation == metric.help
+        assert fam.type == {INFO: "gauge"}.get(metric.type, metric.type)
+        for s in fam.samples:
+            extra = ("le",) if s.name.endswith("_bucket") else ()
+            assert tuple(s.labels) == metric.labels + extra, s
+    got = samples_of(body)
+    gpu0 = (("gpu", "0"), ("node", "node-a"), ("uuid", "GPU-00000000-aaaa"))
+    assert got[CATALOG[M.gpu_utilization_ratio].name][gpu0] == 0.63
+    assert CATALOG[M.gpu_fan_speed_ratio].name not in got  # None: not measured, no sample
+    assert CATALOG[M.gpu_temperature_celsius].name not in got  # NaN: not measured, no sample
+    ecc = got[CATALOG[M.gpu_ecc_errors_total].name]
+    assert ecc[tuple(sorted(gpu0 + (("scope", "aggregate"), ("kind", "uncorrected"))))] == 1
+    assert len(ecc) == 8  # 2 GPUs x 2 scopes x 2 kinds
+    assert got[CATALOG[M.gpu_xid_errors_total].name] == {
+        (("gpu", "1"), ("node", "node-a"), ("uuid", "GPU-10000000-aaaa"), ("xid", "79")): 1.0}
+    throttle = got[CATALOG[M.gpu_clock_throttle_active].name]
+    assert throttle[tuple(sorted(gpu0 + (("reason", "sw_power_cap"),)))] == 1
+    info = got[CATALOG[M.gpu_info].name]
+    assert any(dict(k)["name"] == "NVIDIA H100 80GB HBM3" and dict(k)["driver_version"] == "550.54.15"
+               for k in info)
+    process = got[CATALOG[M.process_gpu_memory_bytes].name]
+    assert process[(("gpu", "1"), ("node", "node-a"), ("pid", "4011"), ("process", "python3"),
+                    ("uuid", "GPU-10000000-aaaa"))] == 41 * GIB
+    assert len(got[CATALOG[M.process_torch_allocated_bytes].name]) == 2  # only the instrumented ones
+    assert got[CATALOG[M.engine_serving_state].name][
+        (("engine", "vllm"), ("gpu", "0"), ("node", "node-a"), ("state", "serving"))] == 1
+    # The eBPF probe's own histogram passes through.
+    lat = CATALOG[M.cuda_api_latency_seconds].name
+    assert got[lat + "_count"][(("api", "cudaMalloc"), ("node", "node-a"), ("pid", "4000"),
+                                ("process", "python3"))] == 420
+    assert got[CATALOG[M.cuda_api_errors_total].name][
+        (("api", "cudaMalloc"), ("code", "2"), ("node", "node-a"), ("pid", "4000"), ("process", "python3"))] == 3
+    # The agent's own metrics, and one series per open finding entity (two pids, one series).
+    assert got[CATALOG[M.agent_store_errors_total].name] == {(("kind", "disk_full"), ("node", "node-a")): 5}
+    assert got[CATALOG[M.finding_active].name] == {
+        (("gpu", "1"), ("kind", "kv_eviction_storm"), ("node", "node-a"), ("severity", "critical")): 1}
+    # vLLM's own names are left to the engine's endpoint.
+    assert not any(name.startswith("vllm:") for name in got)
+
+
+def test_in_engine_dialect_mode_finished_requests_fill_the_latency_histograms(served):
+    latest = latest_with_findings(export_engine_dialect=True)
+    got = samples_of(scrape(served(latest).url)[1])
+    assert got[CATALOG[M.num_requests_running].name]
+    ttft = CATALOG[M.time_to_first_token_seconds].name
+    labels = (("engine", "vllm"), ("gpu", "0"), ("node", "node-a"))
+    assert got[ttft + "_count"][labels] == 3 and got[ttft + "_sum"][labels] == pytest.approx(2.594)
+
+    def bucket(le):
+        return got[ttft + "_bucket"][tuple(sorted(labels + (("le", le),)))]
+
+    assert bucket("0.001") == 0 and bucket("0.005") == 1 and bucket("0.1") == 2 and bucket("+Inf") == 3
+    assert len([k for k in got[ttft + "_bucket"] if dict(k)["gpu"] == "0"]) == len(LATENCY_BUCKETS_S) + 1
+    latest.update([Frame("request", T + 1, [{"node": "node-a", "gpu": 0, "engine": "vllm",
+                                             M.time_to_first_token_seconds: 0.05}])])
+    assert samples_of(scrape(served(latest).url)[1])[ttft + "_count"][labels] == 4  # cumulative
+
+
+def test_the_next_tick_replaces_the_last_so_an_exited_process_disappears(served):
+    latest = LatestFrames(node="node-a")
+    latest.update(small_node(processes=2))
+    server = served(latest)
+    name = CATALOG[M.process_gpu_memory_bytes].name
+    assert len(samples_of(scrape(server.url)[1])[name]) == 4
+    latest.update([fr for fr in small_node(T + 1, processes=1) if fr.kind == "process"])
+    after = samples_of(scrape(server.url)[1])
+    assert len(after[name]) == 2
+    assert CATALOG[M.gpu_utilization_ratio].name in after  # kinds not updated keep their newest rows
+
+
+def every_catalog_metric() -> LatestFrames:
+    """A node whose rows carry every metric of the catalog, each with all its labels."""
+    rows: dict[str, list[dict]] = {}
+    agent_rows, findings = [], []
+    for metric in METRICS:
+        labels = {name: ("3" if name in ("gpu", "pid", "xid", "code") else f"{name}-x") for name in metric.labels}
+        if metric.entity == "finding":
+            findings.append({"kind": "kv_eviction_storm", "severity": "warning", "gpu": 3, "node": "node-a"})
+        elif metric.entity == "agent":
+            agent_rows.append({**labels, metric.column: 1.0})
+        elif metric.type == HISTOGRAM and metric.entity == "request":
+            rows.setdefault("request", []).append({**labels, metric.column: 0.2})
+        elif metric.type == HISTOGRAM:
+            rows.setdefault(metric.entity, []).append(
+                {**labels, metric.column: {"buckets": [(0.001, 1.0), (float("inf"), 2.0)], "sum": 0.5, "count": 2}})
+        else:
+            assert metric.entity in ("gpu", "process", "engine", "node", "cuda_api"), metric
+            rows.setdefault(metric.entity, []).append({**labels, metric.column: 1.0})
+    latest = LatestFrames(node="node-a")
+    latest.update([Frame(kind, T, rs) for kind, rs in rows.items()])
+    latest.set_agent_rows(agent_rows)
+    latest.set_findings(findings)
+    return latest
+
+
+def _promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        pytest.skip("promtool not installed (scripts/system-deps.d/20-prometheus.sh installs Debian's prometheus)")
+    return path
+
+
+def test_promtool_check_metrics_finds_nothing_to_lint_in_any_catalog_metric(served):
+    promtool = _promtool()
+    latest = every_catalog_metric()
+    body = scrape(served(latest).url)[1]
+    exported = {fam.name for fam in text_string_to_metric_families(body)}
+    assert len(exported) == len([m for m in METRICS if m.dialect == "gpudiag"])  # every one was scraped
+    result = subprocess.run([promtool, "check", "metrics"], check=False, input=body, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0 and result.stdout == "" and result.stderr == "", result.stdout + result.stderr
+
+
+def test_with_the_engine_dialect_promtool_reports_only_vllms_own_colons(served):
+    promtool = _promtool()
+    latest = every_catalog_metric()
+    latest.export_engine_dialect = True
+    body = scrape(served(latest).url)[1]
+    result = subprocess.run([promtool, "check", "metrics"], check=False, input=body, capture_output=True, text=True,
+                            timeout=60)
+    complaints = (result.stdout + result.stderr).strip().splitlines()
+    vllm = {m.name for m in METRICS if m.dialect == "vllm"}
+    assert {line.split()[0] for line in complaints} == vllm
+    assert all(line.endswith("metric names should not contain ':'") for line in complaints)
+
+
+# --- TLS, basic auth, binding --------------------------------------------------------------
+
+
+@pytest.fixture
+def self_signed(tmp_path):
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl CLI not installed: cannot make a test certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+    return str(cert), str(key)
+
+
+def test_tls_serves_the_metrics_to_a_client_that_trusts_the_certificate(served, self_signed):
+    cert, key = self_signed
+    server = served(latest_with_findings(), tls_cert=cert, tls_key=key)
+    assert server.url.startswith("https://127.0.0.1:")
+    status, body, _ = scrape(server.url, context=ssl.create_default_context(cafile=cert))
+    assert status == 200 and CATALOG[M.gpu_utilization_ratio].name in samples_of(body)
+    with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+        scrape(server.url, context=ssl.create_default_context())  # an untrusted certificate
+    with pytest.raises((ConnectionError, urllib.error.URLError, http.client.HTTPException)):
+        scrape(server.url.replace("https://", "http://"))  # no plain-text fallback
+    # A client that connects and never speaks TLS does not stop the others being served.
+    idle = socket.create_connection((server.host, server.port))
+    try:
+        assert scrape(server.url, context=ssl.create_default_context(cafile=cert))[0] == 200
+    finally:
+        idle.close()
+
+
+def test_tls_with_a_missing_key_file_fails_in_one_line(tmp_path, self_signed):
+    cert, _ = self_signed
+    with pytest.raises(GpudiagError) as err:
+        serve(registry_for(LatestFrames()), port=0, tls_cert=cert, tls_key=str(tmp_path / "missing.pem"))
+    assert "TLS" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(GpudiagError, match="both tls_cert and tls_key"):
+        serve(registry_for(LatestFrames()), port=0, tls_cert=cert)
+
+
+def test_basic_auth_answers_401_without_the_right_credentials_and_200_with_them(served):
+    auth = BasicAuth("prometheus", hash_password("correct horse battery staple"))
+    server = served(latest_with_findings(), basic_auth=auth)
+
+    def header(user, password):
+        return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+
+    status, _, headers = scrape(server.url)
+    assert status == 401 and headers["WWW-Authenticate"].startswith('Basic realm="gpudiag"')
+    assert scrape(server.url, headers=header("prometheus", "wrong"))[0] == 401
+    assert scrape(server.url, headers=header("grafana", "correct horse battery staple"))[0] == 401
+    assert scrape(server.url, headers={"Authorization": "Basic !!!not-base64"})[0] == 401
+    assert scrape(server.url, headers={"Authorization": "Bearer token"})[0] == 401
+    assert scrape(server.url.replace("/metrics", "/healthz"))[0] == 401  # nothing is open without it
+    status, body, _ = scrape(server.url, headers=header("prometheus", "correct horse battery staple"))
+    assert status == 200 and CATALOG[M.finding_active].name in samples_of(body)
+
+
+def test_a_plain_text_password_in_the_config_is_refused():
+    with pytest.raises(GpudiagError, match="not in plain text"):
+        BasicAuth("prometheus", "correct horse battery staple")
+    with pytest.raises(GpudiagError, match="64 hex digits"):
+        BasicAuth("prometheus", "sha256$00ff$abcd")
+    salted = hash_password("pw")
+    assert salted != hash_password("pw")  # a fresh salt each time
+    assert hash_password("pw", bytes.fromhex(salted.split("$")[1])) == salted
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "", "192.0.2.10"])
+def test_binding_beyond_loopback_is_refused_without_the_explicit_allow(host):
+    with pytest.raises(GpudiagError, match="not a loopback address.*allow_non_loopback"):
+        serve(registry_for(LatestFrames()), host=host, port=0)
+
+
+def test_binding_all_interfaces_works_when_explicitly_allowed_and_warns_without_tls(served, caplog):
+    caplog.set_level(logging.WARNING, logger="gpudiag.agent.prom_exporter")
+    server = served(latest_with_findings(), host="0.0.0.0", allow_non_loopback=True)
+    assert scrape(f"http://127.0.0.1:{server.port}/metrics")[0] == 200
+    assert any("without TLS and basic auth" in r.getMessage() for r in caplog.records)
+
+
+def test_localhost_and_ipv6_loopback_are_loopback(served):
+    assert served(LatestFrames(), host="localhost").port > 0
+    if socket.has_ipv6:
+        try:
+            server = served(LatestFrames(), host="::1")
+        except GpudiagError as exc:  # a kernel without IPv6 on lo
+            pytest.skip(f"no IPv6 loopback here: {exc}")
+        assert server.url.startswith("http://[::1]:")
+
+
+def test_listen_addresses_parse_and_bad_ones_fail_in_one_line():
+    assert parse_listen("127.0.0.1:9400") == ("127.0.0.1", 9400)
+    assert parse_listen("[::1]:9401") == ("::1", 9401)
+    assert parse_listen(":9402") == ("127.0.0.1", 9402)
+    for bad in ("9400", "127.0.0.1:http", "127.0.0.1:70000"):
+        with pytest.raises(GpudiagError):
+            parse_listen(bad)

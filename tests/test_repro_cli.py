@@ -1,0 +1,66 @@
+"""`gpudiag repro` from the command line: reproducible JSON, side-by-side fixes, one-line errors."""
+
+import json
+
+import pytest
+
+SHORT = ["--duration", "300"]
+
+
+def test_the_same_seed_gives_byte_identical_json(cli):
+    a = cli("repro", "kv-eviction-storm", "--json", "--seed", "7", *SHORT)
+    b = cli("repro", "kv-eviction-storm", "--json", "--seed", "7", *SHORT)
+    assert a.returncode == 0, a.stderr
+    assert a.stdout == b.stdout
+    c = cli("repro", "kv-eviction-storm", "--json", "--seed", "8", *SHORT)
+    assert c.stdout != a.stdout
+    doc = json.loads(a.stdout)
+    assert doc["seed"] == 7 and doc["fix"] is None
+
+
+def test_a_fix_carries_the_unfixed_run_as_its_baseline(cli):
+    r = cli("repro", "kv-eviction-storm", "--fix", "chunked-kv", "--json", *SHORT)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["fix"] == "chunked-kv"
+    assert doc["baseline_run"]["fix"] is None
+    assert doc["baseline_run"]["seed"] == doc["seed"]
+
+
+def test_the_report_prints_the_incident_table_and_both_runs(cli):
+    r = cli("repro", "kv-eviction-storm", "--fix", "paged-kv", *SHORT)
+    assert r.returncode == 0, r.stderr
+    for text in ("GPU utilization", "TTFT P99", "TPOT P99", "host CPU", "before", "unfixed", "paged-kv",
+                 "Verdict"):
+        assert text in r.stdout
+    assert "Traceback" not in r.stderr
+
+
+def test_list_names_every_scenario_and_fix(cli):
+    r = cli("repro", "--list", "--json")
+    assert r.returncode == 0
+    doc = json.loads(r.stdout)
+    storm = next(s for s in doc["scenarios"] if s["name"] == "kv-eviction-storm")
+    assert set(storm["fixes"]) == {"paged-kv", "chunked-kv", "priority-eviction", "memory-aware-batching"}
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["repro", "no-such-scenario"], "valid: kv-eviction-storm"),
+    (["repro", "kv-eviction-storm", "--fix", "magic"], "valid: paged-kv"),
+    (["repro", "kv-eviction-storm", "--qps", "-3"], "QPS must be a positive number"),
+    (["repro", "kv-eviction-storm", "--qps", "0"], "QPS must be a positive number"),
+    (["repro", "kv-eviction-storm", "--block-size", "0"], "block size must be a positive"),
+    (["repro", "kv-eviction-storm", "--gpu", "L4"], "cannot fit"),
+    (["repro", "kv-eviction-storm", "--gpu", "TPUv9"], "unknown GPU"),
+    (["repro", "kv-eviction-storm", "--model", "gpt-9"], "unknown model"),
+    (["repro", "kv-eviction-storm", "--seed", "abc"], "seed"),
+    (["repro", "kv-eviction-storm", "--duration", "-1"], "duration must be positive"),
+])
+def test_bad_input_gives_one_line_and_exit_2(cli, args, needle):
+    r = cli(*args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr
+    assert needle in lines[0]
+    assert "Traceback" not in r.stderr
+    assert r.stdout == ""

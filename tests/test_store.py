@@ -1,0 +1,568 @@
+"""The timeline store: frames and findings survive, in order, through crashes and full disks."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpudiag.agent.store import SCHEMA_VERSION, Store, decode_block, encode_block
+from gpudiag.catalog import M
+from gpudiag.errors import GpudiagError
+from gpudiag.findings import Evidence, Finding, Severity
+from gpudiag.frames import Frame, Window
+
+MIB = 1024**2
+T0 = 1_767_225_600.0  # a multiple of every chunk span used below
+
+
+def node_frames(tick: int, *, gpus: int = 2, processes: int = 3, t0: float = T0, seed: int = 0) -> list[Frame]:
+    """One second of a small node: NVML-like GPU rows, three-colour process rows, an engine row."""
+    rng = np.random.default_rng(seed * 1_000_003 + tick)
+    t = t0 + tick + float(rng.uniform(0, 0.003))
+    gpu_rows, proc_rows, engine_rows = [], [], []
+    for g in range(gpus):
+        labels = {"node": "node-a", "gpu": g, "uuid": f"GPU-{g:08x}-aaaa-bbbb-cccc-{g:012x}"}
+        util = int(rng.integers(20, 100))
+        gpu_rows.append({
+            **labels,
+            M.gpu_utilization_ratio: util / 100,
+            M.gpu_memory_used_bytes: (60_000 + int(rng.integers(0, 50))) * MIB,
+            M.gpu_memory_total_bytes: 81_559 * MIB,
+            M.gpu_sm_clock_hertz: 1980e6,
+            M.gpu_power_watts: int(rng.integers(150_000, 650_000)) / 1000,
+            M.gpu_temperature_celsius: int(rng.integers(40, 80)),
+            M.gpu_clock_throttle_active: {"sw_power_cap": int(util > 90), "hw_slowdown": 0},
+            M.gpu_ecc_errors_total: {"volatile": {"corrected": tick // 100, "uncorrected": 0}},
+        })
+        for j in range(processes):
+            allocated = 30 * 1024 * MIB + int(rng.integers(0, 1 << 20)) * 512
+            row = {**labels, "pid": 4000 + g * 10 + j, "process": "python3" if j == 0 else f"worker{j}",
+                   M.process_gpu_memory_bytes: 40 * 1024 * MIB + j * MIB,
+                   M.process_cpu_utilization_ratio: round(float(rng.uniform(0, 100)), 1) / 100,
+                   M.process_context_switches_total: {"voluntary": tick * 300 + j, "involuntary": tick}}
+            if j == 0:  # only the instrumented process reports the allocator
+                row[M.process_torch_allocated_bytes] = allocated
+                row[M.process_torch_reserved_bytes] = 36 * 1024 * MIB
+            proc_rows.append(row)
+        engine_rows.append({"node": "node-a", "gpu": g, "engine": "vllm",
+                            M.num_requests_running: int(rng.integers(0, 64)),
+                            M.kv_cache_usage_perc: float(rng.uniform(0, 1)),
+                            M.engine_kv_evictions_total: tick // 7})
+    return [Frame("gpu", t, gpu_rows), Frame("process", t, proc_rows), Frame("engine", t, engine_rows)]
+
+
+def assert_same_tables(expected: Window, got: Window) -> None:
+    """The store gives back the rows it was given: same columns, values and dtypes (absent == None)."""
+    assert set(got.tables) == set(expected.tables)
+    for kind, want in expected.tables.items():
+        have = got.table(kind)
+        assert list(have.columns) == list(want.columns), kind
+        pd.testing.assert_frame_equal(have.reset_index(drop=True), want.reset_index(drop=True), obj=kind)
+
+
+def fresh_and_sealed(path: str) -> dict[str, tuple[int, int]]:
+    conn = sqlite3.connect(path)
+    try:
+        return {k: conn.execute(f"SELECT count(*) - sum(sealed), sum(sealed) FROM frames_{k}").fetchone()
+                for k in ("gpu", "process", "engine")}
+    finally:
+        conn.close()
+
+
+# --- layout and reading back ----------------------------------------------------------
+
+
+def test_a_new_store_runs_in_wal_mode_at_the_current_schema(tmp_path):
+    path = str(tmp_path / "node.db")
+    with Store.open(path) as store:
+        meta = store.meta()
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    conn.close()
+    assert meta["schema_version"] == SCHEMA_VERSION
+    assert [m["name"] for m in meta["migrations"]] == ["initial", "findings_entity"]
+
+
+def test_frames_read_back_exactly_as_appended_before_and_after_sealing(tmp_path):
+    path = str(tmp_path / "node.db")
+    frames = []
+    with Store.open(path, chunk_s=60) as store:
+        for tick in range(150):
+            fr = node_frames(tick)
+            frames += fr
+            store.append(fr)
+            store.flush()
+        # Two intervals are sealed, the third is still fresh chunks: both read back the same.
+        fresh, sealed = fresh_and_sealed(path)["gpu"]
+        assert sealed == 2 and fresh > 1
+        assert_same_tables(Window.from_frames(frames), store.window(-math.inf, math.inf))
+    with Store.open(path, readonly=True) as reader:
+        got = reader.window(-math.inf, math.inf)
+    assert_same_tables(Window.from_frames(frames), got)
+    assert got.node == "node-a"
+
+
+def test_a_time_range_window_holds_exactly_the_rows_inside_it(tmp_path):
+    path = str(tmp_path / "node.db")
+    with Store.open(path, chunk_s=30) as store:
+        for tick in range(200):
+            store.append(node_frames(tick))
+            store.flush()
+        first, last = store.time_range()
+    assert first == pytest.approx(T0, abs=0.01) and last == pytest.approx(T0 + 199, abs=0.01)
+    with Store.open(path, readonly=True) as reader:
+        w = reader.window(T0 + 50, T0 + 120.5, kinds=["gpu", "engine"])
+    assert set(w.tables) == {"gpu", "engine"}
+    ticks = sorted({int(t - T0) for t in w.table("gpu")["t"]})
+    assert ticks == list(range(50, 121))
+    assert (w.table("gpu")["t"].diff().dropna() >= 0).all()
+    assert len(w.table("gpu")) == 2 * len(ticks)
+
+
+def test_writes_are_batched_one_transaction_and_one_chunk_per_kind_per_flush(tmp_path):
+    path = str(tmp_path / "node.db")
+    writer = Store.open(path)
+    reader = Store.open(path, readonly=True)
+    for tick in range(5):
+        writer.append(node_frames(tick))
+    assert reader.window(-math.inf, math.inf).tables == {}  # appended is not written
+    assert writer.flush() == 5 * (2 + 6 + 2)
+    assert fresh_and_sealed(path)["process"] == (1, 0)  # five ticks, one chunk
+    assert len(reader.window(-math.inf, math.inf).table("process")) == 5 * 6
+    assert writer.flush() == 0  # nothing new, nothing written
+    reader.close()
+    writer.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_every_column_codec_is_lossless(data):
+    n = data.draw(st.integers(1, 40))
+    finite = st.floats(allow_nan=False, allow_infinity=True, width=64)
+    columns_of = {
+        "ints": st.lists(st.integers(-2**62, 2**62), min_size=n, max_size=n),
+        "floats": st.lists(st.one_of(finite, st.just(math.nan), st.just(-0.0)), min_size=n, max_size=n),
+        "decimals": st.lists(st.integers(0, 10_000).map(lambda k: k / 100), min_size=n, max_size=n),
+        "labels": st.lists(st.one_of(st.none(), st.sampled_from(["python3", "vllm", "ü-worker", ""])),
+                           min_size=n, max_size=n),
+        "flags": st.lists(st.booleans(), min_size=n, max_size=n),
+        "counters": st.lists(st.one_of(st.none(), st.fixed_dictionaries(
+            {"voluntary": st.integers(0, 2**40)}, optional={"involuntary": st.integers(0, 9),
+                                                           "nested": st.fixed_dictionaries({"x": finite})})),
+            min_size=n, max_size=n),
+        "anything": st.lists(st.one_of(st.none(), st.text(max_size=4), st.lists(st.integers(), max_size=2)),
+                             min_size=n, max_size=n),
+    }
+    values = {name: data.draw(strategy) for name, strategy in columns_of.items()}
+    frames = [Frame("process", float(i), [{"pid": i % 3, **{k: v[i] for k, v in values.items()}}]) for i in range(n)]
+    from gpudiag.agent.store import _columns_from_frames
+
+    rows, columns = _columns_from_frames(frames)
+    for sealed in (False, True):
+        got_n, got = decode_block(encode_block(columns, rows, sealed=sealed))
+        assert got_n == n
+        for name, want in values.items():
+            have = got[name].tolist()
+            for a, b in zip(have, want):
+                if isinstance(b, float) and math.isnan(b):
+                    assert isinstance(a, float) and math.isnan(a)
+                else:
+                    assert a == b and type(a) is type(b), (name, sealed, a, b)
+                    if isinstance(b, float):
+                        assert math.copysign(1, a) == math.copysign(1, b)  # -0.0 stays -0.0
+
+
+# --- findings --------------------------------------------------------------------------
+
+
+def test_findings_are_upserted_by_id_and_found_by_overlap_and_gpu(tmp_path):
+    path = str(tmp_path / "node.db")
+    storm = Finding("kv_eviction_storm", Severity.CRITICAL, T0 + 100, T0 + 110, "KV evictions 40/s", gpu=3,
+                    node="node-a", evidence=[Evidence(M.engine_kv_evictions_total, 40.0, 0.1, 5.0, "1/s")])
+    with Store.open(path) as store:
+        store.upsert_finding(storm)
+        assert [f["id"] for f in store.findings(T0, T0 + 200)] == [storm.id]  # visible before the flush
+        store.flush()
+        storm.end_s = T0 + 900  # still open ten minutes later: same id, longer span
+        store.upsert_finding(storm)
+        store.upsert_finding(Finding("cpu_starved", Severity.WARNING, T0 + 2000, T0 + 2100, "host-bound", gpu=1))
+        store.flush()
+    with Store.open(path, readonly=True) as reader:
+        assert [f["end_s"] for f in reader.findings(T0 + 500, T0 + 600)] == [T0 + 900]
+        assert reader.findings(T0 + 901, T0 + 1999) == []
+        assert [f["kind"] for f in reader.findings(T0, T0 + 3000)] == ["kv_eviction_storm", "cpu_starved"]
+        assert [f["kind"] for f in reader.findings(T0, T0 + 3000, gpu=1)] == ["cpu_starved"]
+        assert reader.findings(T0, T0 + 3000, kinds=["kv_eviction_storm"])[0]["evidence"][0]["observed"] == 40.0
+
+
+# --- retention and schema -----------------------------------------------------------------
+
+
+def test_retention_by_age_drops_chunks_and_findings_older_than_the_retention(tmp_path):
+    path = str(tmp_path / "node.db")
+    with Store.open(path, retention_s=120, chunk_s=30) as store:
+        store.upsert_finding(Finding("old", Severity.INFO, T0, T0 + 10, "long ago"))
+        store.upsert_finding(Finding("recent", Severity.INFO, T0 + 590, T0 + 599, "just now"))
+        for tick in range(600):
+            store.append(node_frames(tick))
+            store.flush()
+        assert store.enforce_retention() > 0
+        first, last = store.time_range()
+        kinds = [f["kind"] for f in store.findings(-math.inf, math.inf)]
+    assert last == pytest.approx(T0 + 599, abs=0.01)
+    # Whole chunks go: what ends before newest - 120 s; what is left starts at most one 30 s
+    # chunk earlier (1 s of slack for the sampling jitter of the chunk's last tick).
+    cutoff = last - 120
+    assert cutoff - 31 <= first <= cutoff + 1.01
+    assert kinds == ["recent"]
+
+
+def test_retention_by_size_keeps_the_file_under_max_bytes_and_the_newest_frames(tmp_path):
+    path = str(tmp_path / "node.db")
+    max_bytes = 200 * 1024
+    with Store.open(path, max_bytes=max_bytes, chunk_s=60) as store:
+        for tick in range(900):
+            store.append(node_frames(tick, gpus=4, processes=8))
+            store.flush()
+        store.enforce_retention()
+        health = store.health()
+        first, last = store.time_range()
+    assert health["db_bytes"] <= max_bytes
+    assert os.path.getsize(path) <= max_bytes * 1.1  # pages are handed back (incremental vacuum)
+    assert last == pytest.approx(T0 + 899, abs=0.01)
+    assert first > T0 + 120  # the oldest went first
+
+
+def _write_schema_1(path: str) -> None:
+    """A store as schema 1 laid it out: no node/gpu columns on findings."""
+    conn = sqlite3.connect(path)
+    conn.executescript("""
+        PRAGMA journal_mode = WAL;
+        CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+        INSERT INTO meta VALUES ('schema_version', '1');
+        INSERT INTO meta VALUES ('migrations', '[{"version": 1, "name": "initial", "applied_s": 0}]');
+        CREATE TABLE frames_gpu (t_start REAL NOT NULL, t_end REAL NOT NULL, node TEXT,
+                                 n_rows INTEGER NOT NULL, sealed INTEGER NOT NULL, data BLOB NOT NULL);
+        CREATE TABLE findings (id TEXT PRIMARY KEY, kind TEXT NOT NULL, severity TEXT NOT NULL,
+                               start_s REAL NOT NULL, end_s REAL, json TEXT NOT NULL);
+    """)
+    from gpudiag.agent.store import _columns_from_frames
+
+    frames = [fr for tick in range(10) for fr in node_frames(tick) if fr.kind == "gpu"]
+    n, columns = _columns_from_frames(frames)
+    conn.execute("INSERT INTO frames_gpu VALUES (?, ?, 'node-a', ?, 1, ?)",
+                 (T0, T0 + 9.01, n, encode_block(columns, n)))
+    finding = Finding("cpu_starved", Severity.WARNING, T0, T0 + 9, "host-bound", gpu=1, node="node-a")
+    d = finding.to_dict()
+    conn.execute("INSERT INTO findings VALUES (?, ?, ?, ?, ?, ?)",
+                 (d["id"], d["kind"], d["severity"], d["start_s"], d["end_s"], json.dumps(d)))
+    conn.commit()
+    conn.close()
+
+
+def test_a_schema_1_store_is_readable_and_migrated_on_the_first_write_open(tmp_path):
+    path = str(tmp_path / "old.db")
+    _write_schema_1(path)
+    with Store.open(path, readonly=True) as reader:  # readers do not migrate, and need not
+        assert reader.meta()["schema_version"] == 1
+        assert [f["kind"] for f in reader.findings(-math.inf, math.inf, gpu=1)] == ["cpu_starved"]
+    with Store.open(path) as store:
+        meta = store.meta()
+        assert meta["schema_version"] == SCHEMA_VERSION
+        assert [m["name"] for m in meta["migrations"]] == ["initial", "findings_entity"]
+        assert len(store.window(-math.inf, math.inf).table("gpu")) == 20
+        assert [f["kind"] for f in store.findings(-math.inf, math.inf, gpu=1)] == ["cpu_starved"]
+        store.append(node_frames(10))
+        store.flush()
+    conn = sqlite3.connect(path)
+    assert conn.execute("SELECT gpu, node FROM findings").fetchall() == [(1, "node-a")]  # backfilled
+    assert conn.execute("SELECT count(*) FROM frames_process").fetchone()[0] == 1  # new kinds get tables
+    conn.close()
+
+
+def test_a_store_from_a_newer_gpudiag_is_refused_and_left_alone(tmp_path):
+    path = str(tmp_path / "future.db")
+    with Store.open(path):
+        pass
+    conn = sqlite3.connect(path)
+    conn.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
+    conn.commit()
+    conn.close()
+    before = Path(path).read_bytes()
+    for readonly in (True, False):
+        with pytest.raises(GpudiagError, match="schema 99, newer"):
+            Store.open(path, readonly=readonly)
+    assert Path(path).read_bytes() == before
+
+
+@pytest.mark.parametrize("content", ["missing", "empty", "garbage", "foreign"])
+def test_a_missing_empty_or_foreign_store_read_only_fails_in_one_line(tmp_path, content):
+    path = str(tmp_path / "x.db")
+    if content == "empty":
+        open(path, "wb").close()
+    elif content == "garbage":
+        with open(path, "wb") as fh:
+            fh.write(os.urandom(8192))
+    elif content == "foreign":
+        conn = sqlite3.connect(path)
+        conn.execute("CREATE TABLE invoices (id INTEGER)")
+        conn.commit()
+        conn.close()
+    with pytest.raises(GpudiagError) as err:
+        Store.open(path, readonly=True)
+    assert path in str(err.value) and "\n" not in str(err.value)
+    if content in ("garbage", "foreign"):  # a writer refuses too, and writes nothing
+        before = Path(path).read_bytes()
+        with pytest.raises(GpudiagError):
+            Store.open(path)
+        assert Path(path).read_bytes() == before
+
+
+def test_a_damaged_store_read_only_fails_in_one_line(tmp_path):
+    path = str(tmp_path / "node.db")
+    with Store.open(path, chunk_s=10) as store:
+        for tick in range(300):
+            store.append(node_frames(tick, gpus=4, processes=6))
+            store.flush()
+    size = os.path.getsize(path)
+    with open(path, "r+b") as fh:  # a disk error scribbles over the middle of the file
+        fh.seek(size // 2)
+        fh.write(os.urandom(size // 4))
+    with pytest.raises(GpudiagError) as err, Store.open(path, readonly=True) as reader:
+        reader.window(-math.inf, math.inf)
+    assert "\n" not in str(err.value)
+
+
+# --- one writer, many readers ---------------------------------------------------------------
+
+
+def test_a_second_writer_is_refused_with_the_first_ones_pid(tmp_path):
+    path = str(tmp_path / "node.db")
+    first = Store.open(path)
+    with pytest.raises(GpudiagError, match=rf"store .*node.db is in use by another agent \(pid {os.getpid()}\)"):
+        Store.open(path)
+    reader = Store.open(path, readonly=True)  # readers take no lock
+    reader.close()
+    first.close()
+    Store.open(path).close()  # free again once the first one is gone
+
+
+def test_a_planted_symbolic_link_at_the_lock_path_is_refused(tmp_path):
+    target = tmp_path / "precious"
+    target.write_text("do not overwrite\n")
+    os.symlink(target, tmp_path / "node.db.lock")
+    with pytest.raises(GpudiagError, match="symbolic link"):
+        Store.open(str(tmp_path / "node.db"))
+    assert target.read_text() == "do not overwrite\n"
+
+
+WRITER = textwrap.dedent("""
+    import sys
+    from gpudiag.agent.store import Store
+    from gpudiag.frames import Frame
+
+    path, start = sys.argv[1], int(sys.argv[2])
+    store = Store.open(path, chunk_s=5)
+    tick = start
+    while True:
+        t = 1000.0 + tick
+        store.append([
+            Frame("gpu", t, [{"node": "n", "gpu": g, "uuid": f"GPU-{g}", "gpu_utilization_ratio": (tick + g) % 101 / 100,
+                              "gpu_memory_used_bytes": (tick * 7919 + g) * 4096} for g in range(4)]),
+            Frame("process", t, [{"node": "n", "gpu": g, "pid": 100 + g, "process": "python3",
+                                  "process_gpu_memory_bytes": tick * 2097152} for g in range(4)]),
+        ])
+        store.flush()
+        print(tick, flush=True)  # only after flush() returned: this tick is committed
+        tick += 1
+""")
+
+
+def _start_writer(path: str, start: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", WRITER, path, str(start)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _read_ticks(proc: subprocess.Popen, count: int) -> int:
+    """Wait for ``count`` more committed ticks from the writer; the last one."""
+    last = None
+    for _ in range(count):
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"writer died: {proc.stderr.read()}")
+        last = int(line)
+    return last
+
+
+def test_a_kill_9_during_writes_loses_at_most_the_unflushed_second_and_never_corrupts(tmp_path):
+    path = str(tmp_path / "node.db")
+    start = 0
+    for kill_after in (35, 48, 61):  # three crashes at different points, each mid-write
+        proc = _start_writer(path, start)
+        try:
+            last_committed = _read_ticks(proc, kill_after)
+            proc.send_signal(signal.SIGKILL)
+        finally:
+            proc.wait(timeout=30)
+        conn = sqlite3.connect(path)
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        conn.close()
+        with Store.open(path, readonly=True) as reader:
+            gpu = reader.window(-math.inf, math.inf).table("gpu")
+            proc_rows = reader.window(-math.inf, math.inf).table("process")
+        ticks = (gpu["t"] - 1000).astype(int)
+        per_tick = ticks.value_counts()
+        assert (per_tick == 4).all()  # no half-written tick, no duplicate
+        stored = sorted(per_tick.index)
+        assert stored[0] == 0 and stored == list(range(stored[-1] + 1))  # nothing lost before the crash
+        assert last_committed <= stored[-1] <= last_committed + 1  # at most the unreported flush
+        assert len(proc_rows) == len(gpu)
+        start = stored[-1] + 1  # the next agent takes over the store (the dead one's lock is free)
+
+
+def test_readers_never_block_the_writer_and_read_a_consistent_snapshot(tmp_path):
+    path = str(tmp_path / "node.db")
+    proc = _start_writer(path, 0)
+    try:
+        _read_ticks(proc, 3)
+        with Store.open(path, readonly=True) as reader:
+            with reader.snapshot():
+                before = len(reader.window(-math.inf, math.inf).table("gpu"))
+                # The writer keeps committing while this read transaction is open ...
+                _read_ticks(proc, 25)
+                assert len(reader.window(-math.inf, math.inf).table("gpu")) == before  # ... unseen here
+            _read_ticks(proc, 1)
+            after = len(reader.window(-math.inf, math.inf).table("gpu"))
+            assert after > before and after >= 4 * (3 + 25 + 1)  # every reported tick, 4 GPUs each
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+# --- full disk, read-only store ---------------------------------------------------------------
+
+
+def test_a_full_disk_is_logged_once_counted_buffered_and_written_after_recovery(tmp_path, caplog):
+    path = str(tmp_path / "node.db")
+    store = Store.open(path, max_pending_bytes=60_000)
+    store.append(node_frames(0))
+    store.flush()
+    # SQLite's own "database or disk is full" (SQLITE_FULL), raised by capping the file at
+    # its current size: the same error a full file system gives.
+    pages = store._conn.execute("PRAGMA page_count").fetchone()[0]
+    store._conn.execute(f"PRAGMA max_page_count = {pages}")
+    caplog.set_level("ERROR", logger="gpudiag.agent.store")
+    tick, written = 0, 0
+    while True:  # the pages already there take a few more ticks
+        tick += 1
+        store.append(node_frames(tick, gpus=4, processes=8))
+        if store.flush() == 0:
+            break
+        written = tick
+        assert tick < 50, "the capped store never filled up"
+    first_failed = tick
+    for tick in range(first_failed + 1, first_failed + 80):
+        store.append(node_frames(tick, gpus=4, processes=8))
+        assert store.flush() == 0
+    health = store.health()
+    assert health["store_errors_total"] == {"disk_full": 80}
+    assert not health["writable"]
+    assert health["dropped_rows_total"] > 0 and health["buffered_rows"] > 0  # bounded: oldest dropped
+    assert len([r for r in caplog.records if "disk_full" in r.getMessage()]) == 1
+    rows = store.metric_rows()  # what the agent exports as agent_store_errors_total{kind} and friends
+    assert {"kind": "disk_full", M.agent_store_errors_total: 80} in rows
+    assert {"probe": "store", M.agent_dropped_events_total: health["dropped_rows_total"]} in rows
+    live = store.window(-math.inf, math.inf).table("gpu")  # analyzers still see the buffered frames
+    assert live["t"].max() == pytest.approx(T0 + tick, abs=0.01)
+    store._conn.execute("PRAGMA max_page_count = 1073741823")  # space again
+    assert store.flush() == health["buffered_rows"]
+    assert store.health()["writable"]
+    store.close()
+    with Store.open(path, readonly=True) as reader:
+        ticks = sorted({int(t - T0) for t in reader.window(-math.inf, math.inf).table("gpu")["t"]})
+    assert ticks[:written + 1] == list(range(written + 1)) and ticks[-1] == tick
+    assert first_failed not in ticks  # the oldest buffered ticks were the ones dropped
+
+
+READ_ONLY_WRITER = textwrap.dedent("""
+    import json, logging, math, sys
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(message)s")
+    from gpudiag.agent.store import Store
+    from gpudiag.frames import Frame
+
+    store = Store.open(sys.argv[1], max_pending_bytes=3_000)
+    for tick in range(40):
+        store.append([Frame("gpu", 1000.0 + tick, [{"gpu": g, "gpu_power_watts": tick * 1.5 + g,
+                                                    "uuid": f"GPU-{g}-" + "x" * 60}
+                                                   for g in range(8)])])
+        store.flush()
+    live = store.window(-math.inf, math.inf).table("gpu")
+    print(json.dumps({"health": store.health(), "live_last_t": float(live["t"].max())}))
+    store.close()
+""")
+
+
+def _drop_file_capabilities() -> None:
+    """In the child, before exec: give up root's power to ignore file permissions.
+
+    Root would write into a 0555 directory anyway (CAP_DAC_OVERRIDE); dropping the
+    capabilities from the bounding set makes the exec'd writer an ordinary process
+    that the mode bits stop, while it can still read the interpreter under /root.
+    """
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_capbset_drop = 24
+    for cap in (1, 2, 3):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER
+        if libc.prctl(pr_capbset_drop, cap, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def _run_without_write_permission(script: str, directory: str, path: str) -> subprocess.CompletedProcess:
+    """Run ``script`` so that ``directory`` (mode 0555) is read-only to it, root or not."""
+    os.chmod(directory, 0o555)
+    preexec = _drop_file_capabilities if os.geteuid() == 0 else None
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    try:
+        return subprocess.run([sys.executable, "-c", script, path], check=False, capture_output=True, text=True,
+                              timeout=120, env=env, preexec_fn=preexec)
+    except subprocess.SubprocessError as exc:  # prctl refused: no CAP_SETPCAP in this container
+        pytest.skip(f"cannot make a directory read-only to root here (dropping CAP_DAC_OVERRIDE failed: {exc})")
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new-store", "existing-store"])
+def test_a_read_only_store_is_logged_once_counted_and_never_raises(existing):
+    directory = tempfile.mkdtemp(prefix="gpudiag-ro-")
+    try:
+        path = os.path.join(directory, "node.db")
+        if existing:
+            with Store.open(path) as store:
+                store.append(node_frames(0))
+        result = _run_without_write_permission(READ_ONLY_WRITER, directory, path)
+        assert result.returncode == 0, result.stderr
+        report = json.loads(result.stdout)
+        health = report["health"]
+        # One failure for the open, one for each of the 40 flushes.
+        assert health["store_errors_total"] == {"read_only": 41} and not health["writable"]
+        assert health["dropped_rows_total"] > 0  # the buffer stayed bounded
+        assert report["live_last_t"] == 1039.0  # the newest frames are still served from memory
+        assert result.stderr.count("ERROR store") == 2  # once while running, once at close for the loss
+        assert "Traceback" not in result.stderr
+    finally:
+        os.chmod(directory, 0o755)
+        shutil.rmtree(directory, ignore_errors=True)
