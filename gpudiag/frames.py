@@ -15,9 +15,10 @@ otherwise). Analyzers take a Window and return findings.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
-import pandas as pd
+if TYPE_CHECKING:  # pandas is imported where windows are built: probes only need Frame
+    import pandas as pd
 
 FRAME_KINDS = ("gpu", "process", "engine", "request", "node", "cuda_api")
 
@@ -50,6 +51,8 @@ class Window:
         """The DataFrame of one kind, sorted by ``t``; an empty one (with ``t``) when absent."""
         df = self.tables.get(kind)
         if df is None:
+            import pandas as pd
+
             return pd.DataFrame({"t": pd.Series(dtype=float)})
         return df
 
@@ -87,6 +90,8 @@ class Window:
                   node: str | None = None, sources: list[str] | None = None,
                   gaps: list[str] | None = None) -> "Window":
         """Build a window from row lists per kind (each row carries its own ``t``)."""
+        import pandas as pd
+
         tables = {}
         for kind, rs in rows.items():
             if rs:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from gpudiag.errors import GpudiagError
 from gpudiag.reference_engine.allocator import CachingAllocator, DeviceMemory
 from gpudiag.reference_engine.gpu_specs import GIB, GPUSpec
+from gpudiag.reference_engine.model_config import PRESETS, ModelConfig
 
 MIB = 1024**2
 
@@ -42,15 +43,20 @@ class ModelShape:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype_bytes
 
 
+def shape_of(cfg: ModelConfig, kv_dtype_bytes: int | None = None, name: str | None = None) -> ModelShape:
+    """The cost model's view of a model configuration (one source of model shapes: model_config.PRESETS)."""
+    return ModelShape(name or cfg.name, float(cfg.param_count()), cfg.num_layers, cfg.hidden_size,
+                      cfg.num_kv_heads, cfg.head_dim, cfg.dtype_bytes,
+                      cfg.dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes)
+
+
 MODELS = {
-    # Llama-2-7B: 32 layers, hidden 4096, 32 KV heads of 128 (no GQA): 512 KiB of KV per token.
-    "llama-7b": ModelShape("llama-7b", 6.74e9, 32, 4096, 32, 128),
+    # Llama-2-7B: 32 KV heads of 128 (no GQA): 512 KiB of KV per token in fp16.
+    "llama-7b": shape_of(PRESETS["llama-7b"]),
     # Mistral-7B: GQA with 8 KV heads: 128 KiB per token.
-    "mistral-7b": ModelShape("mistral-7b", 7.24e9, 32, 4096, 8, 128),
-    # Mistral-7B with an fp8 KV cache: 64 KiB per token.
-    "mistral-7b-kv8": ModelShape("mistral-7b-kv8", 7.24e9, 32, 4096, 8, 128, 2, 1),
-    # Llama-3-8B: 32 layers, 8 KV heads.
-    "llama3-8b": ModelShape("llama3-8b", 8.03e9, 32, 4096, 8, 128),
+    "mistral-7b": shape_of(PRESETS["mistral-7b"]),
+    # Mistral-7B with an fp8 KV cache (vLLM's kv_cache_dtype=fp8): 64 KiB per token.
+    "mistral-7b-kv8": shape_of(PRESETS["mistral-7b"], kv_dtype_bytes=1, name="mistral-7b-kv8"),
 }
 
 

@@ -60,7 +60,7 @@ def test_fragmentation_is_found_with_a_failed_request_larger_than_the_largest_ho
     failed = ev["engine_kv_failed_request_bytes"].observed
     assert failed > ev["process_torch_largest_free_block_bytes"].observed
     assert ev["process_reserved_minus_allocated_bytes"].observed >= failed
-    assert ev["external_fragmentation_ratio"].observed >= 0.5
+    assert ev["process_torch_external_fragmentation_ratio"].observed >= 0.5
 
 
 def test_an_eviction_storm_is_found_and_traced_back_to_fragmentation(storm):

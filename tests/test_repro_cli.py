@@ -64,3 +64,31 @@ def test_bad_input_gives_one_line_and_exit_2(cli, args, needle):
     assert needle in lines[0]
     assert "Traceback" not in r.stderr
     assert r.stdout == ""
+
+
+def test_a_terminal_sees_a_progress_bar_and_a_pipe_does_not(tmp_path):
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    master, slave = pty.openpty()
+    out = tmp_path / "out.txt"
+    with open(out, "w") as stdout:
+        proc = subprocess.Popen([sys.executable, "-m", "gpudiag", "repro", "kv-eviction-storm", "--duration", "900"],
+                                stdout=stdout, stderr=slave, env=dict(os.environ, COLUMNS="120"))
+        os.close(slave)
+        chunks = []
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:
+                break
+            if not data:
+                break
+            chunks.append(data)
+        assert proc.wait(timeout=600) == 0
+    os.close(master)
+    tty_text = b"".join(chunks).decode(errors="replace")
+    assert "simulated" in tty_text and "/900 s" in tty_text
+    assert "simulated" not in out.read_text()

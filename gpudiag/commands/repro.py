@@ -10,9 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from gpudiag import repro as R
 from gpudiag.errors import GpudiagError
-from gpudiag.reference_engine import scenarios
 from gpudiag.render import findings_panel
 from gpudiag.units import fmt_bytes, fmt_ratio, fmt_seconds
 
@@ -34,6 +32,9 @@ def repro(
     model: Optional[str] = typer.Option(None, "--model", help="Override the model shape (llama-7b, mistral-7b, ...)."),
 ):
     """Reproduce a field incident on the simulated GPU, diagnose it, and check a fix."""
+    from gpudiag import repro as R
+    from gpudiag.reference_engine import scenarios
+
     out = Console(file=sys.stdout, highlight=False)
     if list_:
         return _list(out, as_json)
@@ -75,6 +76,8 @@ def repro(
 
 
 def _run_with_progress(sc, fix, seed, overrides):
+    from gpudiag import repro as R
+
     if not sys.stderr.isatty():
         return R.run(sc, fix, seed, overrides=overrides)
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -92,6 +95,8 @@ def _run_with_progress(sc, fix, seed, overrides):
 
 
 def _list(out: Console, as_json: bool):
+    from gpudiag.reference_engine import scenarios
+
     if as_json:
         sys.stdout.write(json.dumps({"scenarios": [
             {"name": s.name, "summary": s.summary, "fixes": {k: v.summary for k, v in s.fixes.items()},

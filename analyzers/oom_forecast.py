@@ -1,0 +1,141 @@
+"""oom_forecast: the memory a process holds grows towards the GPU's capacity; when will it run out?
+
+Definitions (per GPU and process, over the window's 1 s samples):
+- the watermark is what the process holds, not what its tensors use: the
+  caching allocator's reserved bytes (grey) when an in-process reporter gives
+  them, else the driver-charged bytes (black). Reserved near the limit means
+  OOM even at 60 % allocated (SCENARIOS.md §3), so allocated is never used;
+- growth: the least-squares slope of that layer over the window, trusted
+  only when it is positive, its t-statistic is at least TREND_T_STAT, the
+  samples span at least MIN_TREND_SPAN_S and the second half of the window
+  rises too (a warm-up that filled the pool and then stopped is no trend);
+- headroom: device capacity minus device memory in use at the last sample
+  (NVML used; else capacity minus every process's black layer);
+- time to OOM = headroom / growth.
+
+A finding when time to OOM is below TIME_TO_OOM_WARNING_S; critical below
+TIME_TO_OOM_CRITICAL_S. The chain assembler puts a leak or fragmentation
+finding on the same GPU in front of it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gpudiag.catalog import M
+from gpudiag.findings import Evidence, Finding, Severity, alert_name
+from gpudiag.frames import Window
+from gpudiag.units import fmt_bytes, fmt_seconds
+
+from .common import label_int, linear_trend, per_entity, subset
+
+KIND = "oom_forecast"
+
+# Autocorrelated 1 s samples overstate a slope's confidence; five standard
+# errors keeps allocator steps and load swings from reading as a trend.
+TREND_T_STAT = 5.0
+# Ten minutes: shorter, one burst of long requests looks like a trend.
+MIN_TREND_SPAN_S = 600.0
+# Four hours ahead leaves an on-call shift time to drain and restart the
+# instance at a quiet moment (the field report's detector warned 2 h ahead).
+TIME_TO_OOM_WARNING_S = 4 * 3600.0
+# Half an hour: only enough time left to move traffic away.
+TIME_TO_OOM_CRITICAL_S = 1800.0
+FIX_NAMES = ("expandable-segments", "paged-kv")
+
+
+def analyze(window: Window) -> list[Finding]:
+    """A forecast per GPU process whose held memory grows towards the device's capacity."""
+    proc = window.table("process")
+    gpu = window.table("gpu")
+    if proc.empty or not window.has("gpu", M.gpu_memory_total_bytes):
+        return []
+    layer_col = M.process_torch_reserved_bytes if window.has("process", M.process_torch_reserved_bytes) \
+        else M.process_gpu_memory_bytes
+    if not window.has("process", layer_col):
+        return []
+    findings = []
+    for key, p in per_entity(proc, ["node", "gpu", "pid"]):
+        t = p["t"].to_numpy(float)
+        held = p[layer_col].to_numpy(float)
+        if np.isnan(held).all():
+            continue
+        headroom, capacity = device_headroom_bytes(gpu, proc, key)
+        if headroom is None:
+            continue
+        slope = rising_slope(t, held)
+        if slope is None:
+            continue
+        tto = time_to_oom_s(slope, headroom)
+        if tto >= TIME_TO_OOM_WARNING_S:
+            continue
+        layer = "reserved" if layer_col == M.process_torch_reserved_bytes else "driver"
+        last = float(held[~np.isnan(held)][-1])
+        findings.append(Finding(
+            kind=KIND,
+            severity=Severity.CRITICAL if tto < TIME_TO_OOM_CRITICAL_S else Severity.WARNING,
+            start_s=float(t[0]), end_s=float(t[-1]), node=key.get("node"), gpu=label_int(key.get("gpu")),
+            pid=label_int(key.get("pid")),
+            summary=(f"{layer} memory of pid {label_int(key.get('pid'))} grows {fmt_bytes(slope)}/s with "
+                     f"{fmt_bytes(headroom)} left on the GPU: out of memory in about {fmt_seconds(tto)}"),
+            evidence=[
+                Evidence("time_to_oom_seconds", tto, None, TIME_TO_OOM_WARNING_S, "seconds"),
+                Evidence(_growth_column(layer_col), slope, 0.0, None, "bytes_per_second"),
+                Evidence(layer_col, last, None, capacity, "bytes"),
+                Evidence("gpu_memory_free_bytes", headroom, None, None, "bytes"),
+            ],
+            runbook=alert_name(KIND), fixes=list(FIX_NAMES),
+            details={"time_to_oom_s": tto, "oom_at_s": float(t[-1]) + tto, "layer": layer,
+                     "growth_bytes_per_second": slope, "headroom_bytes": headroom},
+        ))
+    return findings
+
+
+def rising_slope(t: np.ndarray, y: np.ndarray) -> float | None:
+    """The slope of ``y`` when it is a significant, sustained rise (see the module docstring), else None."""
+    ok = ~np.isnan(y)
+    t, y = t[ok], y[ok]
+    if t.size < 3 or t[-1] - t[0] < MIN_TREND_SPAN_S:
+        return None
+    slope, tstat = linear_trend(t, y)
+    if slope <= 0 or tstat < TREND_T_STAT:
+        return None
+    half = t >= t[0] + (t[-1] - t[0]) / 2
+    late_slope, late_t = linear_trend(t[half], y[half])
+    if late_slope <= 0 or late_t < TREND_T_STAT:
+        return None
+    return slope
+
+
+def time_to_oom_s(growth_bytes_per_second: float, headroom_bytes: float) -> float:
+    """Seconds until ``headroom_bytes`` are used up at a constant growth (inf when not growing)."""
+    if growth_bytes_per_second <= 0:
+        return float("inf")
+    return max(headroom_bytes, 0.0) / growth_bytes_per_second
+
+
+def device_headroom_bytes(gpu, proc, key) -> tuple[float | None, float | None]:
+    """(free device bytes at the last sample, capacity) of the GPU of ``key``; (None, None) when unknown."""
+    g = subset(gpu, key)
+    if g.empty or M.gpu_memory_total_bytes not in g:
+        return None, None
+    g = g.sort_values("t")
+    total = g[M.gpu_memory_total_bytes].dropna()
+    if total.empty:
+        return None, None
+    capacity = float(total.iloc[-1])
+    if M.gpu_memory_used_bytes in g and g[M.gpu_memory_used_bytes].notna().any():
+        used = float(g[M.gpu_memory_used_bytes].dropna().iloc[-1])
+        return capacity - used, capacity
+    others = subset(proc, key)
+    if M.process_gpu_memory_bytes not in others or others[M.process_gpu_memory_bytes].isna().all():
+        return None, capacity
+    last_t = others["t"].max()
+    used = float(others[others["t"] == last_t][M.process_gpu_memory_bytes].fillna(0).sum())
+    return capacity - used, capacity
+
+
+def _growth_column(layer_col: str) -> str:
+    return {M.process_torch_reserved_bytes: M.process_torch_reserved_growth_bytes_per_second,
+            M.process_torch_allocated_bytes: M.process_torch_allocated_growth_bytes_per_second,
+            }.get(layer_col, M.process_gpu_memory_growth_bytes_per_second)
