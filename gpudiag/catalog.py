@@ -171,6 +171,14 @@ METRICS: tuple[Metric, ...] = (
     _m("cuda_kernel_launches_total", COUNTER, "", "Kernel launches.", ("node", "pid", "process"), "cuda_api"),
     _m("cuda_degenerate_launches_total", COUNTER, "", "Kernel launches with grid (1,1,1).",
        ("node", "pid", "process"), "cuda_api"),
+    _m("cuda_function_launches_total", COUNTER, "", "Kernel launches of one kernel function.",
+       ("node", "pid", "process", "function"), "cuda_api"),
+    _m("cuda_function_grid_blocks", GAUGE, "",
+       "Thread blocks per launch (grid x*y*z) of one kernel function's launches in the last interval (median).",
+       ("node", "pid", "process", "function"), "cuda_api"),
+    _m("cuda_function_duration_seconds", GAUGE, "seconds",
+       "Mean GPU time per launch of one kernel function in the last interval (CUPTI/Kineto or the simulated GPU).",
+       ("node", "pid", "process", "function"), "cuda_api"),
     _m("host_offcpu_seconds_total", COUNTER, "seconds", "Off-CPU time of a GPU process's threads (sched_switch).",
        ("node", "pid", "process"), "cuda_api"),
     _m("host_runqueue_wait_seconds_total", COUNTER, "seconds",
@@ -204,6 +212,13 @@ METRICS: tuple[Metric, ...] = (
        "agent"),
     _m("agent_cpu_utilization_ratio", GAUGE, "ratio", "Agent CPU time per wall second.", ("node",), "agent"),
     _m("agent_resident_memory_bytes", GAUGE, "bytes", "Agent resident set size.", ("node",), "agent"),
+    _m("agent_probe_available", GAUGE, "", "1 when the probe runs, 0 when it is unavailable (see the agent log).",
+       ("node", "probe"), "agent"),
+    _m("agent_analysis_seconds", GAUGE, "seconds", "Duration of the last streaming analysis over the window.",
+       ("node",), "agent"),
+    _m("agent_findings_opened_total", COUNTER, "", "Findings the streaming analyzers opened, by kind.",
+       ("node", "kind"), "agent"),
+    _m("agent_sim_seconds", GAUGE, "seconds", "Simulated time the --sim engine has reached.", ("node",), "agent"),
 )
 
 CATALOG: dict[str, Metric] = {m.column: m for m in METRICS}

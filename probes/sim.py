@@ -6,11 +6,17 @@ seconds per wall second), and returns a probe whose ``sample`` yields the
 latest gpu, process, engine and node frames, plus the request rows finished
 since the previous sample — the same frame kinds the NVML, torch and engine
 probes yield, so everything downstream runs without a GPU.
+
+With ``timeline=True`` the probe also keeps every simulated second's frames
+until :meth:`SimProbe.drain` takes them: at ``speed`` 400 the engine produces
+400 seconds of frames per wall second, and the agent's analyzers want each
+of them (1 s samples), not the one that happens to be newest at a wall tick.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import deque
 from typing import Any
 
 from gpudiag.errors import GpudiagError
@@ -24,13 +30,19 @@ class _Stopped(Exception):
     pass
 
 
+# Frames kept for drain() when nobody drains: an hour of simulated time (five kinds a
+# second), a few MB; beyond it the oldest are dropped and counted.
+MAX_TIMELINE_FRAMES = 5 * 3600
+
+
 class SimProbe(Probe):
     """Latest frames of a simulated engine running in a background thread."""
 
     name = "sim"
     interval_s = 1.0
 
-    def __init__(self, scenario: str, *, speed: float = 1.0, seed: int = 0, fix: str | None = None):
+    def __init__(self, scenario: str, *, speed: float = 1.0, seed: int = 0, fix: str | None = None,
+                 timeline: bool = False):
         sc = scenarios.get(scenario)
         cfg, workload = sc.build(fix)
         if speed <= 0:
@@ -43,6 +55,8 @@ class SimProbe(Probe):
         self._requests: list[dict[str, Any]] = []
         self._error: str | None = None
         self._done = False
+        self._timeline: deque[Frame] | None = deque() if timeline else None
+        self.dropped_frames = 0
         self.sim_time_s = 0.0
         self.engine = SimEngine(cfg, workload, seed=seed, clock=VirtualClock(speed, sleep=self._sleep))
         self._thread = threading.Thread(target=self._run, name=f"gpudiag-sim-{sc.name}", daemon=True)
@@ -57,9 +71,15 @@ class SimProbe(Probe):
             for fr in self.engine.frames():
                 with self._lock:
                     if fr.kind == "request":
-                        self._requests.extend(fr.rows)
+                        if self._timeline is None:  # drain() hands them out instead
+                            self._requests.extend(fr.rows)
                     else:
                         self._latest[fr.kind] = fr
+                    if self._timeline is not None:
+                        if len(self._timeline) >= MAX_TIMELINE_FRAMES:
+                            self._timeline.popleft()
+                            self.dropped_frames += 1
+                        self._timeline.append(fr)
                     self.sim_time_s = fr.t
                 if self._stop.is_set():
                     return
@@ -79,13 +99,30 @@ class SimProbe(Probe):
                 self._requests = []
         return frames
 
+    def drain(self) -> list[Frame]:
+        """Every frame produced since the previous drain, on the simulated time base (``t`` = simulated
+        seconds), rows carrying ``sim_t``. Needs ``timeline=True``."""
+        if self._timeline is None:
+            raise RuntimeError("SimProbe(timeline=True) keeps the frames drain() returns")
+        with self._lock:
+            taken = list(self._timeline)
+            self._timeline.clear()
+        return [Frame(f.kind, f.t, [dict(r, sim_t=f.t) for r in f.rows]) for f in taken]
+
+    @property
+    def finished(self) -> bool:
+        """True once the scenario's workload has run to its end (or failed)."""
+        return self._done
+
     def status(self) -> dict[str, Any]:
+        """Scenario, speed and simulated time reached; unavailable with the reason when the engine failed."""
         return {"name": self.name, "available": self._error is None,
                 "reason": self._error or ("scenario finished" if self._done else ""),
                 "missing_fields": {}, "scenario": self.scenario, "speed": self.speed,
-                "sim_time_s": self.sim_time_s}
+                "sim_time_s": self.sim_time_s, "dropped_frames": self.dropped_frames}
 
     def close(self) -> None:
+        """Stop the engine thread."""
         self._stop.set()
         self._thread.join(timeout=2.0)
 
