@@ -185,7 +185,7 @@ class SimEngine:
         step_gpu = cost.decode_gpu_s(spec, model, n, ctx)
         step = step_gpu + cost.host_step_cost_s(n)
         # How many identical steps can run before something happens.
-        k = min(self.kv.steps_without_alloc(batch), min(s.remaining for s in batch))
+        k = min(s.remaining for s in batch)
         next_second = math.floor(t) + 1.0
         k = min(k, max(1, math.ceil((next_second - t) / step)))
         if self._next_arrival < len(self.requests) and len(self.sched.running) < self.cfg.scheduler.max_num_seqs \
@@ -194,7 +194,7 @@ class SimEngine:
             k = min(k, max(1, math.ceil(gap / step)))
         elif self.sched.waiting and self.sched.can_admit():
             k = 1
-        k = max(1, k)
+        k = max(1, self.kv.steps_without_alloc(batch, limit=max(1, k)))
         # KV read grows by one token per sequence per step: use the mean context of the run.
         mean_ctx = ctx + n * (k - 1) / 2.0
         gpu_s = k * cost.decode_gpu_s(spec, model, n, int(mean_ctx)) + copy_gpu

@@ -98,8 +98,8 @@ class KVManager:
         """Make room for the sequence to hold ``tokens`` tokens (may reallocate)."""
         raise NotImplementedError
 
-    def steps_without_alloc(self, seqs: list[Sequence]) -> int:
-        """How many decode steps every sequence can take before one needs an allocation."""
+    def steps_without_alloc(self, seqs: list[Sequence], limit: int = UNBOUNDED) -> int:
+        """How many decode steps (at most ``limit``) every sequence can take before one needs an allocation."""
         raise NotImplementedError
 
     def advance(self, seqs: list[Sequence], k: int) -> None:
@@ -165,8 +165,8 @@ class ContiguousKV(KVManager):
     def estimate_bytes(self, tokens):
         return self._size_for(tokens)
 
-    def steps_without_alloc(self, seqs):
-        return min((s.kv.capacity_tokens - s.kv.tokens for s in seqs), default=UNBOUNDED)
+    def steps_without_alloc(self, seqs, limit=UNBOUNDED):
+        return min(limit, min((s.kv.capacity_tokens - s.kv.tokens for s in seqs), default=UNBOUNDED))
 
     def advance(self, seqs, k):
         for s in seqs:
@@ -285,12 +285,14 @@ class PagedKV(KVManager):
         bs = self.cfg.block_size
         return sum(max(0, -(-(s.kv[1] + k) // bs) - s.kv[0]) for s in seqs)
 
-    def steps_without_alloc(self, seqs):
+    def steps_without_alloc(self, seqs, limit=UNBOUNDED):
         # Blocks come from the pool without touching the allocator; the limit is
-        # the pool running dry. Largest k with blocks_needed(k) <= free.
+        # the pool running dry. Largest k <= limit with blocks_needed(k) <= free.
         if not seqs:
-            return UNBOUNDED
-        lo, hi = 0, max(1, self.free_blocks * self.cfg.block_size // len(seqs) + self.cfg.block_size)
+            return limit
+        if limit < UNBOUNDED and self._blocks_needed(seqs, limit) <= self.free_blocks:
+            return limit  # the common case: one pass, no search
+        lo, hi = 0, min(limit, max(1, self.free_blocks * self.cfg.block_size // len(seqs) + self.cfg.block_size))
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if self._blocks_needed(seqs, mid) <= self.free_blocks:
