@@ -95,7 +95,10 @@ class KVManager:
         raise NotImplementedError
 
     def grow(self, seq: Sequence, tokens: int) -> int | None:
-        """Make room for the sequence to hold ``tokens`` tokens (may reallocate)."""
+        """Make room for the sequence to hold ``tokens`` tokens (may reallocate); stores nothing.
+
+        Tokens are counted as stored by ``advance``, as the decode step writes them.
+        """
         raise NotImplementedError
 
     def steps_without_alloc(self, seqs: list[Sequence], limit: int = UNBOUNDED) -> int:
@@ -148,8 +151,6 @@ class ContiguousKV(KVManager):
     def grow(self, seq, tokens):
         r: _Region = seq.kv
         if tokens <= r.capacity_tokens:
-            self.live_tokens += tokens - r.tokens
-            r.tokens = tokens
             return None
         size = self._size_for(tokens, r.nbytes)
         addr = self._malloc(size)  # the old region is still held: realloc needs both
@@ -158,8 +159,7 @@ class ContiguousKV(KVManager):
         self.copy_bytes_total += r.tokens * self.bytes_per_token
         self.allocator.free(r.addrs[0])
         self.reserved_bytes += size - r.nbytes
-        self.live_tokens += tokens - r.tokens
-        r.addrs, r.nbytes, r.capacity_tokens, r.tokens = [addr], size, size // self.bytes_per_token, tokens
+        r.addrs, r.nbytes, r.capacity_tokens = [addr], size, size // self.bytes_per_token
         return None
 
     def estimate_bytes(self, tokens):
@@ -229,11 +229,7 @@ class ChunkedKV(ContiguousKV):
     def grow(self, seq, tokens):
         r: _Region = seq.kv
         if tokens > r.capacity_tokens:
-            failed = self._add_chunks(r, self._chunks_for(tokens))
-            if failed is not None:
-                return failed
-        self.live_tokens += tokens - r.tokens
-        r.tokens = tokens
+            return self._add_chunks(r, self._chunks_for(tokens))
         return None
 
 
@@ -269,7 +265,7 @@ class PagedKV(KVManager):
         return None
 
     def grow(self, seq, tokens):
-        held, stored = seq.kv
+        held = seq.kv[0]
         need = self._blocks_for(tokens) - held
         if need > self.free_blocks:
             return need * self.block_bytes
@@ -277,8 +273,6 @@ class PagedKV(KVManager):
             self.free_blocks -= need
             self.reserved_bytes += need * self.block_bytes
             seq.kv[0] = held + need
-        seq.kv[1] = tokens
-        self.live_tokens += tokens - stored
         return None
 
     def _blocks_needed(self, seqs, k: int) -> int:

@@ -113,3 +113,15 @@ def test_the_document_has_the_documented_schema(storm):
             assert {"metric", "observed", "baseline", "threshold"} <= set(e)
         sc = scenarios.get(doc["scenario"])
         assert set(f["fixes"]) <= set(sc.fixes)
+
+
+def test_the_kv_managers_store_exactly_the_tokens_the_sequences_hold():
+    from gpudiag.reference_engine.engine import SimEngine
+
+    for fix in (None, "paged-kv", "chunked-kv"):
+        cfg, wl = scenarios.get("kv-eviction-storm").build(fix)
+        wl.duration_s = 120
+        eng = SimEngine(cfg, wl, seed=0)
+        for _ in eng.frames():
+            running = eng.sched.running
+            assert eng.kv.live_tokens == sum(s.num_tokens for s in running), fix
