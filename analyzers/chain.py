@@ -14,7 +14,7 @@ from gpudiag.findings import Finding
 CAUSES: dict[str, tuple[str, ...]] = {
     "memory_fragmentation": ("kv_eviction_storm", "oom_forecast", "latency_regression"),
     "memory_leak": ("oom_forecast", "memory_fragmentation"),
-    "gpu_cotenant": ("kv_eviction_storm", "memory_fragmentation", "latency_regression"),
+    "gpu_cotenant": ("kv_eviction_storm", "memory_fragmentation", "latency_regression", "oom_forecast"),
     "kv_eviction_storm": ("latency_regression",),
     "cpu_starved_gpu": ("latency_regression",),
     "degenerate_kernel_launch": ("latency_regression",),

@@ -13,7 +13,11 @@ Definitions (per GPU, over 1 s engine samples and finished requests):
 - TPOT P99: the 99th percentile of per-request time per output token
   ((e2e - TTFT) / (output tokens - 1)) of requests that finished during the
   episode, against the same percentile of requests that finished outside
-  any episode (the run's own baseline).
+  any episode (the run's own baseline). On vLLM's metrics alone (no request
+  rows) each scrape interval stands for its requests: the P99 of the
+  interval's inter_token_latency_seconds histogram (the engine probe's
+  ``window`` summary) takes the place of a request's TPOT;
+- KV usage: vLLM's kv_cache_usage_perc, highest in the episode (evidence).
 
 A storm is an episode of eviction rate >= EVICTION_RATE_THRESHOLD lasting at
 least MIN_DURATION_S, with decode latency (TPOT P99) or recompute share
@@ -24,6 +28,7 @@ finding that precedes it on the same GPU.
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 
 from gpudiag.catalog import M
 from gpudiag.findings import Evidence, Finding, Severity, alert_name
@@ -70,6 +75,8 @@ def analyze(window: Window) -> list[Finding]:
         if not spans:
             continue
         reqs = _subset(req, key)
+        if _tpot_col(reqs) is None:
+            reqs = _interval_tpot(e)
         gpus = _subset(gpu_df, key)
         base_tpot = _tpot_outside(reqs, spans)
         osc_t, osc = _oscillation(gpus)
@@ -98,6 +105,7 @@ def analyze(window: Window) -> list[Finding]:
                     Evidence("tpot_p99_seconds", tpot, base_tpot, (base_tpot or 0) * TPOT_P99_RATIO_THRESHOLD
                              if base_tpot else None, "seconds"),
                     Evidence("gpu_utilization_oscillation_ratio", osc_in, osc_base, None, "ratio"),
+                    Evidence(M.kv_cache_usage_perc, _max(e, M.kv_cache_usage_perc, sel), None, None, "ratio"),
                 ],
                 runbook=alert_name(KIND), fixes=list(FIXES),
                 details={"evictions": n_ev, "tpot_p99_ratio": ratio},
@@ -112,6 +120,26 @@ def _subset(df, key):
         if col in df and key.get(col) is not None:
             df = df[df[col] == key[col]]
     return df
+
+
+def _interval_tpot(e):
+    """Rows (t, TPOT) from the engine rows' per-interval TPOT histogram P99 (vLLM's metrics)."""
+    if M.inter_token_latency_seconds not in e:
+        return e.iloc[:0]
+    t, v = [], []
+    for ti, s in zip(e["t"].tolist(), e[M.inter_token_latency_seconds].tolist()):
+        win = s.get("window") if isinstance(s, dict) else None
+        if win and win.get("count") and win.get("p99") is not None:
+            t.append(ti)
+            v.append(win["p99"])
+    return pd.DataFrame({"t": np.array(t, float), M.inter_token_latency_seconds: np.array(v, float)})
+
+
+def _max(e, col, sel):
+    if col not in e:
+        return None
+    v = e[col].to_numpy(float)[sel]
+    return float(np.nanmax(v)) if np.isfinite(v).any() else None
 
 
 def _tpot_col(reqs):

@@ -8,7 +8,8 @@ Definitions (per GPU and process, over the window's 1 s samples):
 - growth: the least-squares slope of that layer over the window, trusted
   only when it is positive, its t-statistic is at least TREND_T_STAT, the
   samples span at least MIN_TREND_SPAN_S and the second half of the window
-  rises too (a warm-up that filled the pool and then stopped is no trend);
+  rises at SUSTAINED_SHARE of that rate or more (a warm-up that filled the
+  pool and then stopped is no trend);
 - headroom: device capacity minus device memory in use at the last sample
   (NVML used; else capacity minus every process's black layer);
 - time to OOM = headroom / growth.
@@ -34,6 +35,10 @@ KIND = "oom_forecast"
 # Autocorrelated 1 s samples overstate a slope's confidence; five standard
 # errors keeps allocator steps and load swings from reading as a trend.
 TREND_T_STAT = 5.0
+# The second half must keep rising at half the window's rate at least: a
+# step (warm-up, one burst that grew the pool) followed by a plateau has a
+# positive slope over the window but no trend.
+SUSTAINED_SHARE = 0.5
 # Ten minutes: shorter, one burst of long requests looks like a trend.
 MIN_TREND_SPAN_S = 600.0
 # Four hours ahead leaves an on-call shift time to drain and restart the
@@ -102,7 +107,7 @@ def rising_slope(t: np.ndarray, y: np.ndarray) -> float | None:
         return None
     half = t >= t[0] + (t[-1] - t[0]) / 2
     late_slope, late_t = linear_trend(t[half], y[half])
-    if late_slope <= 0 or late_t < TREND_T_STAT:
+    if late_slope < SUSTAINED_SHARE * slope or late_t < TREND_T_STAT:
         return None
     return slope
 

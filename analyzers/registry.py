@@ -5,11 +5,31 @@ from __future__ import annotations
 from gpudiag.findings import Finding
 from gpudiag.frames import Window
 
-from . import chain, kv_eviction_storm, memory_fragmentation
+from . import (
+    chain,
+    cpu_starved_gpu,
+    degenerate_kernel_launch,
+    gpu_cotenant,
+    hardware_errors,
+    kv_eviction_storm,
+    latency_regression,
+    memory_fragmentation,
+    memory_leak,
+    oom_forecast,
+    throttling,
+)
 
 ANALYZERS = {
     memory_fragmentation.KIND: memory_fragmentation.analyze,
     kv_eviction_storm.KIND: kv_eviction_storm.analyze,
+    oom_forecast.KIND: oom_forecast.analyze,
+    memory_leak.KIND: memory_leak.analyze,
+    cpu_starved_gpu.KIND: cpu_starved_gpu.analyze,
+    gpu_cotenant.KIND: gpu_cotenant.analyze,
+    degenerate_kernel_launch.KIND: degenerate_kernel_launch.analyze,
+    throttling.KIND: throttling.analyze,
+    hardware_errors.KIND: hardware_errors.analyze,
+    latency_regression.KIND: latency_regression.analyze,
 }
 
 

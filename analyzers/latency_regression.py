@@ -1,0 +1,191 @@
+"""latency_regression: TTFT, TPOT or end-to-end latency P99 rose over its baseline; how did P50 move?
+
+Definitions (per GPU):
+- samples: finished requests (``request`` rows: time_to_first_token_seconds,
+  inter_token_latency_seconds, e2e_request_latency_seconds, at their finish
+  time); without request rows, the engine rows' histogram summaries as the
+  engine probe gives them (each scrape interval's P50 and P99, ``window``),
+  an interval standing for its requests;
+- baseline: the P50 and P99 of the first BASELINE_SHARE of the window, or
+  the ``baseline`` given ({metric column: {"p50": s, "p99": s}});
+- after the baseline, consecutive BUCKET_S buckets with at least
+  MIN_REQUESTS requests; a bucket regresses when its P99 is at least
+  P99_RATIO_THRESHOLD times the baseline P99;
+- the P50's behaviour over the regressed buckets: within P50_FLAT_RATIO of
+  its baseline means the median request is fine and a few are very slow —
+  ``pattern = "stragglers_or_communication"`` (SCENARIOS.md's quick lookup:
+  P99 up with P50 normal -> check NVLink error counters, PCIe, clocks,
+  temperature); otherwise ``pattern = "broad"`` (everything slower: load,
+  throttling, memory pressure).
+
+End-to-end latency is TTFT plus output tokens times TPOT: its P99 rising
+while neither TTFT nor TPOT regresses means longer outputs (a change of the
+request mix), so e2e counts only alongside one of them.
+
+One finding per GPU and episode of regressed buckets (merged within
+MERGE_GAP_S), with an evidence row per regressed metric; critical at
+CRITICAL_P99_RATIO.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gpudiag.catalog import M
+from gpudiag.findings import Evidence, Finding, Severity, alert_name
+from gpudiag.frames import Window
+from gpudiag.units import fmt_seconds
+
+from .common import episodes, label_int, per_entity, percentile
+from .kv_eviction_storm import CRITICAL_TPOT_RATIO
+
+KIND = "latency_regression"
+
+LATENCIES = (M.time_to_first_token_seconds, M.inter_token_latency_seconds, M.e2e_request_latency_seconds)
+# The first quarter of the window is "before" unless a baseline is given.
+BASELINE_SHARE = 0.25
+# Five minutes holds enough requests at tens of QPS for a stable P99.
+BUCKET_S = 300.0
+# Fewer requests than this make a P99 one request's latency.
+MIN_REQUESTS = 50
+# P99 doubled: beyond the swings of a healthy engine under a changing mix.
+P99_RATIO_THRESHOLD = 2.0
+# P50 within a fifth of its baseline counts as flat.
+P50_FLAT_RATIO = 1.2
+# Three times the baseline tail is where interactive SLOs break (shared with kv_eviction_storm).
+CRITICAL_P99_RATIO = CRITICAL_TPOT_RATIO
+MERGE_GAP_S = BUCKET_S
+STRAGGLERS = "stragglers_or_communication"
+BROAD = "broad"
+STRAGGLER_HINT = ("P99 up with P50 normal: a few requests are very slow. Check NVLink error counters, PCIe "
+                  "replays, clocks and temperature (`gpudiag investigate`, hardware_errors and throttling).")
+# A regression is an effect; the fixes belong to the finding that caused it.
+FIX_NAMES: tuple[str, ...] = ()
+
+
+def analyze(window: Window, baseline: dict[str, dict[str, float]] | None = None) -> list[Finding]:
+    """Latency regressions per GPU against the window's first part (or ``baseline``)."""
+    samples = _samples(window)
+    if not samples:
+        return []
+    findings = []
+    for (node, gpu), by_metric in samples.items():
+        key = {"node": node, "gpu": gpu}
+        start_all = min(float(t.min()) for t, *_ in by_metric.values())
+        end_all = max(float(t.max()) for t, *_ in by_metric.values())
+        base_end = start_all + BASELINE_SHARE * (end_all - start_all) if baseline is None else start_all
+        edges = np.arange(base_end, end_all + BUCKET_S, BUCKET_S)
+        regressed: dict[str, list] = {}
+        bucket_t = []
+        for metric, (t, p99, p50, weight) in by_metric.items():
+            base = (baseline or {}).get(metric) or _base(t, p99, p50, weight, base_end)
+            if base is None or not base["p99"] or base["p99"] <= 0:
+                continue
+            for a, b in zip(edges[:-1], edges[1:]):
+                sel = (t >= a) & (t < b)
+                if weight[sel].sum() < MIN_REQUESTS:
+                    continue
+                q99, q50 = _quantiles(p99[sel], None if p50 is None else p50[sel])
+                if q99 >= P99_RATIO_THRESHOLD * base["p99"]:
+                    regressed.setdefault(metric, []).append((a, b, q99, q50, base))
+                    bucket_t.append(b)
+        if not regressed:
+            continue
+        marks = np.array(sorted(set(bucket_t)))
+        for start, end in episodes(marks, np.ones(len(marks), dtype=bool), MERGE_GAP_S):
+            start -= BUCKET_S
+            rows = {m: [r for r in rs if r[0] >= start and r[1] <= end] for m, rs in regressed.items()}
+            rows = {m: rs for m, rs in rows.items() if rs}
+            if set(rows) <= {M.e2e_request_latency_seconds}:
+                continue  # e2e = TTFT + outputs x TPOT: alone, it rose with longer outputs, not slower serving
+            findings.append(_finding(key, start, end, rows))
+    return findings
+
+
+def _finding(key, start, end, rows) -> Finding:
+    evidence, ratios, flat, words = [], [], True, []
+    details: dict = {"metrics": sorted(rows)}
+    for metric, rs in rows.items():
+        base = rs[0][4]
+        worst = max(rs, key=lambda r: r[2])
+        p50 = float(np.median([r[3] for r in rs]))
+        ratio = worst[2] / base["p99"]
+        ratios.append(ratio)
+        p50_ratio = p50 / base["p50"] if base.get("p50") else float("nan")
+        flat &= bool(p50_ratio <= P50_FLAT_RATIO)
+        evidence.append(Evidence(metric.replace("_seconds", "_p99_seconds"), worst[2], base["p99"],
+                                 P99_RATIO_THRESHOLD * base["p99"], "seconds"))
+        evidence.append(Evidence(metric.replace("_seconds", "_p50_seconds"), p50, base.get("p50"),
+                                 P50_FLAT_RATIO * base["p50"] if base.get("p50") else None, "seconds"))
+        words.append(f"{_SHORT[metric]} P99 {fmt_seconds(worst[2])} vs {fmt_seconds(base['p99'])} "
+                     f"(P50 {fmt_seconds(p50)} vs {fmt_seconds(base.get('p50'))})")
+        details[f"{metric}_p99_ratio"] = ratio
+        details[f"{metric}_p50_ratio"] = p50_ratio
+    details["pattern"] = STRAGGLERS if flat else BROAD
+    if flat:
+        details["hint"] = STRAGGLER_HINT
+    top = max(ratios)
+    return Finding(
+        kind=KIND, severity=Severity.CRITICAL if top >= CRITICAL_P99_RATIO else Severity.WARNING,
+        start_s=float(start), end_s=float(end), node=key.get("node"), gpu=label_int(key.get("gpu")),
+        summary="latency regression: " + "; ".join(words)
+                + (": P50 flat, stragglers or communication" if flat else ": the median slowed too"),
+        evidence=evidence, runbook=alert_name(KIND), fixes=list(FIX_NAMES), details=details,
+    )
+
+
+_SHORT = {M.time_to_first_token_seconds: "TTFT", M.inter_token_latency_seconds: "TPOT",
+          M.e2e_request_latency_seconds: "e2e"}
+
+
+def _base(t, p99, p50, weight, base_end):
+    sel = t < base_end
+    if weight[sel].sum() < MIN_REQUESTS:
+        return None
+    q99, q50 = _quantiles(p99[sel], None if p50 is None else p50[sel])
+    return {"p99": q99, "p50": q50}
+
+
+def _quantiles(values, interval_p50):
+    """(P99, P50) of per-request values; of interval summaries, the median interval's P99 and P50."""
+    if interval_p50 is None:
+        return percentile(values, 99), percentile(values, 50)
+    return percentile(values, 50), percentile(interval_p50, 50)
+
+
+def _samples(window: Window) -> dict:
+    """{entity key: {metric: (t, values-or-interval-p99, interval-p50 or None, weight)}}."""
+    out: dict = {}
+    req = window.table("request")
+    if not req.empty and any(c in req for c in LATENCIES):
+        for key, r in per_entity(req, ["node", "gpu"]):
+            t = r["t"].to_numpy(float)
+            for metric in LATENCIES:
+                if metric in r and r[metric].notna().any():
+                    v = r[metric].to_numpy(float)
+                    ok = ~np.isnan(v)
+                    out.setdefault(_k(key), {})[metric] = (t[ok], v[ok], None, np.ones(int(ok.sum())))
+        return {k: v for k, v in out.items() if v}
+    eng = window.table("engine")
+    for key, e in per_entity(eng, ["node", "gpu"]):
+        t = e["t"].to_numpy(float)
+        for metric in LATENCIES:
+            if metric not in e:
+                continue
+            ts, p99, p50, w = [], [], [], []
+            for ti, s in zip(t, e[metric].tolist()):
+                win = s.get("window") if isinstance(s, dict) else None
+                if not win or not win.get("count") or win.get("p99") is None:
+                    continue
+                ts.append(ti)
+                p99.append(win["p99"])
+                p50.append(win.get("p50") if win.get("p50") is not None else np.nan)
+                w.append(win["count"])
+            if ts:
+                out.setdefault(_k(key), {})[metric] = (np.array(ts), np.array(p99, float), np.array(p50, float),
+                                                       np.array(w, float))
+    return out
+
+
+def _k(key: dict) -> tuple:
+    return (key.get("node"), key.get("gpu"))

@@ -1,0 +1,198 @@
+"""memory_leak: device memory of a process grows without the load growing, and which layer leaks.
+
+The three colours (DESIGN.md), nested, per GPU and process over the window:
+white = allocated (live tensors), grey = reserved (caching allocator),
+black = driver-charged memory. Each layer and each gap between layers gets a
+least-squares trend (oom_forecast.rising_slope: significant, sustained over
+the window and rising in its second half too). The leaking layer is the
+innermost one whose rule holds:
+
+- ``allocated``: white rises while the load is flat — tensors are kept
+  alive that nothing uses (a tensor leak);
+- ``pool``: grey and grey - white rise while white is flat — the caching
+  allocator keeps segments no tensor needs (pool bloat, fragmentation);
+- ``driver``: black and black - grey rise while grey is flat — memory allocated
+  outside PyTorch and never freed (a missing cudaFree, a library's
+  workspaces). Cross-checked with the eBPF probe's outstanding allocations
+  of the process (``cuda_api`` rows, cuda_outstanding_allocation_bytes)
+  when present: growth there at least CONFIRM_RATIO of the gap's growth
+  confirms cudaMalloc without cudaFree.
+
+Without an in-process reporter (no white and grey) black alone is judged:
+black rising with flat load is a leak of layer ``unknown``, and the details
+say which layers were missing. The load is the engine's running requests on
+that GPU (flat: the last third's mean within LOAD_CHANGE_RATIO of the first
+third's); with no engine rows it is not observed, and the details say so.
+
+Time to OOM: the device's free memory plus what the outer layers hold free
+(for a tensor leak the pool's cached bytes fill first) over the leaking
+layer's growth. A finding when the layer grew by at least MIN_LEAK_BYTES
+and time to OOM is under LEAK_HORIZON_S, so a leak is reported hours
+before it ends in an OOM.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gpudiag.catalog import M
+from gpudiag.findings import Evidence, Finding, Severity, alert_name
+from gpudiag.frames import Window
+from gpudiag.units import fmt_bytes, fmt_seconds
+
+from .common import label_int, linear_trend, per_entity, subset
+from .oom_forecast import TIME_TO_OOM_CRITICAL_S, device_headroom_bytes, rising_slope, time_to_oom_s
+
+KIND = "memory_leak"
+
+ALLOCATED, POOL, DRIVER, UNKNOWN = "allocated", "pool", "driver", "unknown"
+
+# The running batch may drift by a fifth between the start and the end of the
+# window without being "more load": continuous batching varies that much.
+LOAD_CHANGE_RATIO = 0.2
+# A layer is "flat" when its own slope is not a significant rise, or rises
+# less than this share of the leaking gap's growth (a leak in an outer layer
+# may drag a little of the inner one with it).
+FLAT_SHARE = 0.1
+# 256 MiB over the window: less is within the allocator's segment rounding
+# and a library's lazy initialisation.
+MIN_LEAK_BYTES = 256 * 1024**2
+# A day: a leak that needs longer to exhaust the GPU is reported by the next
+# windows; one inside a day gets its warning while hours remain.
+LEAK_HORIZON_S = 24 * 3600.0
+# eBPF outstanding allocations growing at half the driver gap's rate or more:
+# the gap is mostly memory that was cudaMalloc'd and never freed.
+CONFIRM_RATIO = 0.5
+FIX_NAMES = ("no-leak",)
+
+
+def analyze(window: Window) -> list[Finding]:
+    """Leaks per GPU process, with the leaking layer and the time left before OOM."""
+    proc = window.table("process")
+    if proc.empty or not window.has("process", M.process_gpu_memory_bytes) and \
+            not window.has("process", M.process_torch_allocated_bytes):
+        return []
+    gpu, eng, api = window.table("gpu"), window.table("engine"), window.table("cuda_api")
+    findings = []
+    for key, p in per_entity(proc, ["node", "gpu", "pid"]):
+        t = p["t"].to_numpy(float)
+        white, grey, black = (_col(p, c) for c in (M.process_torch_allocated_bytes,
+                                                     M.process_torch_reserved_bytes, M.process_gpu_memory_bytes))
+        load_flat, load = _load_flat(subset(eng, key))
+        verdict = _leaking_layer(t, white, grey, black, load_flat)
+        if verdict is None:
+            continue
+        layer, growth, leaked_col = verdict
+        free, capacity = device_headroom_bytes(gpu, proc, key)
+        if free is None:
+            free = float("nan")
+        headroom = free + _free_outside(layer, white, grey, black)
+        tto = time_to_oom_s(growth, headroom) if not np.isnan(headroom) else float("nan")
+        grown = growth * (t[-1] - t[0])
+        if grown < MIN_LEAK_BYTES or (not np.isnan(tto) and tto >= LEAK_HORIZON_S):
+            continue
+        observed = [name for name, v in (("white", white), ("grey", grey), ("black", black)) if v is not None]
+        details = {"layer": layer, "layers_observed": observed, "growth_bytes_per_second": growth,
+                   "grown_bytes": grown, "time_to_oom_s": tto, "load": load}
+        if layer == UNKNOWN:
+            details["note"] = ("no in-process reporter: judged with the driver layer (black) alone; white and "
+                               "grey are needed to tell a tensor, pool or driver leak apart")
+        evidence = [
+            Evidence(leaked_col, growth, 0.0, None, "bytes_per_second"),
+            Evidence("time_to_oom_seconds", tto, None, LEAK_HORIZON_S, "seconds"),
+            Evidence("leaked_bytes", grown, None, MIN_LEAK_BYTES, "bytes"),
+        ]
+        if load.get("observed"):
+            evidence.append(Evidence(M.num_requests_running, load["last"], load["first"], None, ""))
+        if layer == DRIVER:
+            evidence.append(_ebpf_cross_check(api, key, growth, details))
+        findings.append(Finding(
+            kind=KIND,
+            severity=Severity.CRITICAL if not np.isnan(tto) and tto < TIME_TO_OOM_CRITICAL_S else Severity.WARNING,
+            start_s=float(t[0]), end_s=float(t[-1]), node=key.get("node"), gpu=label_int(key.get("gpu")),
+            pid=label_int(key.get("pid")),
+            summary=(f"{_LAYER_WORDS[layer]} leak in pid {label_int(key.get('pid'))}: {fmt_bytes(grown)} in "
+                     f"{fmt_seconds(t[-1] - t[0])} ({fmt_bytes(growth)}/s) with flat load; out of memory in "
+                     f"about {fmt_seconds(tto)}"),
+            evidence=evidence, runbook=alert_name(KIND), fixes=list(FIX_NAMES), details=details,
+        ))
+    return findings
+
+
+_LAYER_WORDS = {ALLOCATED: "tensor (allocated)", POOL: "caching-allocator pool", DRIVER: "driver-layer",
+                UNKNOWN: "device-memory"}
+
+
+def _col(p, column):
+    if column not in p or p[column].isna().all():
+        return None
+    return p[column].to_numpy(float)
+
+
+def _load_flat(e) -> tuple[bool, dict]:
+    """Whether the engine's running batch stayed flat; (True, not observed) without engine rows."""
+    col = next((c for c in (M.num_requests_running, M.engine_batch_size) if c in e and e[c].notna().any()), None)
+    if col is None:
+        return True, {"observed": False, "note": "engine load not observed: judged as flat"}
+    v = e.sort_values("t")[col].to_numpy(float)
+    v = v[~np.isnan(v)]
+    third = max(len(v) // 3, 1)
+    first, last = float(v[:third].mean()), float(v[-third:].mean())
+    flat = abs(last - first) <= LOAD_CHANGE_RATIO * max(first, 1.0)
+    return flat, {"observed": True, "first": first, "last": last, "flat": flat}
+
+
+def _leaking_layer(t, white, grey, black, load_flat):
+    """(layer, growth bytes/s, growth column) of the innermost leaking layer, or None."""
+    if white is not None:
+        g = rising_slope(t, white)
+        if g is not None and load_flat:
+            return ALLOCATED, g, M.process_torch_allocated_growth_bytes_per_second
+    if white is not None and grey is not None:
+        g = rising_slope(t, grey - white)
+        if g is not None and rising_slope(t, grey) is not None and _flat(t, white, g):
+            return POOL, g, M.process_reserved_minus_allocated_bytes
+    if grey is not None and black is not None:
+        g = rising_slope(t, black - grey)
+        if g is not None and rising_slope(t, black) is not None and _flat(t, grey, g):
+            return DRIVER, g, M.process_driver_minus_reserved_bytes
+    if white is None and grey is None and black is not None:
+        g = rising_slope(t, black)
+        if g is not None and load_flat:
+            return UNKNOWN, g, M.process_gpu_memory_growth_bytes_per_second
+    return None
+
+
+def _flat(t, inner, outer_growth) -> bool:
+    """The inner layer neither rises nor falls by FLAT_SHARE of the gap's growth (a falling white
+    widens the gap to grey by itself: freed memory the allocator caches, not a leak)."""
+    slope, _ = linear_trend(t, inner)
+    return abs(slope) < FLAT_SHARE * outer_growth
+
+
+def _free_outside(layer, white, grey, black) -> float:
+    """Bytes the layers outside the leaking one hold free at the last sample (they fill before an OOM)."""
+    def last(v):
+        return float(v[~np.isnan(v)][-1]) if v is not None and (~np.isnan(v)).any() else 0.0
+    if layer == ALLOCATED:
+        return max(last(grey) - last(white), 0.0)
+    return 0.0
+
+
+def _ebpf_cross_check(api, key, growth, details) -> Evidence:
+    """Evidence row from eBPF outstanding allocations of the process; the verdict goes into details."""
+    rows = subset(api, key, ("node", "pid"))
+    col = M.cuda_outstanding_allocation_bytes
+    metric = "cuda_outstanding_allocation_growth_bytes_per_second"
+    if rows.empty or col not in rows or rows[col].isna().all():
+        details["ebpf"] = "not cross-checked: no eBPF outstanding allocations for this process"
+        return Evidence(metric, None, None, None, "bytes_per_second")
+    rows = rows[rows[col].notna()].sort_values("t")
+    slope, _ = linear_trend(rows["t"].to_numpy(float), rows[col].to_numpy(float))
+    confirmed = slope >= CONFIRM_RATIO * growth
+    details["ebpf_outstanding_growth_bytes_per_second"] = slope
+    details["ebpf"] = ("confirmed: device allocations made with cudaMalloc/cuMemAlloc are not freed"
+                       if confirmed else
+                       "not confirmed: outstanding cudaMalloc allocations do not grow; the growth is outside "
+                       "cudaMalloc (context, library workspaces, virtual memory APIs)")
+    return Evidence(metric, slope, None, CONFIRM_RATIO * growth, "bytes_per_second")

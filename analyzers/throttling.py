@@ -1,0 +1,112 @@
+"""throttling: the GPU runs below its clocks because of heat or power, or runs too hot.
+
+Definitions (per GPU, 1 s NVML samples):
+- throttled: a heat or power clock-event reason is active (NVML's
+  sw/hw thermal slowdown, sw power cap, hw slowdown, hw power brake; the
+  benign reasons — idle, application clocks, sync boost, display — are not
+  throttling) AND the SM clock is at most CLOCK_RATIO_THRESHOLD of its
+  maximum (a reason flag at full clock costs nothing);
+- hot: GPU core temperature above TEMPERATURE_THRESHOLD_C (SCENARIOS.md's
+  golden signal for an infra board).
+
+A finding is an episode of throttled or hot samples lasting at least
+MIN_DURATION_S; critical when a hardware protection (hw_slowdown,
+hw_thermal_slowdown, hw_power_brake_slowdown) cut the clocks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gpudiag.catalog import M
+from gpudiag.findings import Evidence, Finding, Severity, alert_name
+from gpudiag.frames import Window
+from gpudiag.units import fmt_ratio
+
+from .common import episodes, label_int, per_entity
+
+KIND = "throttling"
+
+HEAT_OR_POWER_REASONS = ("sw_power_cap", "hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown",
+                         "hw_power_brake_slowdown")
+# The hardware protecting itself halves clocks or more: work slows at once.
+HARDWARE_REASONS = frozenset({"hw_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown"})
+# Boost clocks dither a few percent under a power cap; a tenth below the
+# maximum is where kernels measurably slow down.
+CLOCK_RATIO_THRESHOLD = 0.9
+# SCENARIOS.md, "five golden signals": GPU temperature > 85 C.
+TEMPERATURE_THRESHOLD_C = 85.0
+# A power cap for a few seconds of a burst is how boost works; a minute is a condition.
+MIN_DURATION_S = 60.0
+MERGE_GAP_S = 120.0
+# Throttling is cured on the machine (cooling, power limits), not by a gpudiag repro fix.
+FIX_NAMES: tuple[str, ...] = ()
+
+
+def analyze(window: Window) -> list[Finding]:
+    """Throttling and overheating episodes per GPU."""
+    gpu = window.table("gpu")
+    if gpu.empty:
+        return []
+    findings = []
+    for key, g in per_entity(gpu, ["node", "gpu"]):
+        t = g["t"].to_numpy(float)
+        reasons = _reasons(g)
+        clock_ratio = _clock_ratio(g)
+        temp = g[M.gpu_temperature_celsius].to_numpy(float) if M.gpu_temperature_celsius in g \
+            else np.full(len(t), np.nan)
+        active = np.zeros(len(t), dtype=bool)
+        for flags in reasons.values():
+            active |= flags
+        throttled = active & (clock_ratio <= CLOCK_RATIO_THRESHOLD)
+        hot = temp > TEMPERATURE_THRESHOLD_C
+        for start, end in episodes(t, throttled | hot, MERGE_GAP_S, MIN_DURATION_S):
+            sel = (t >= start) & (t <= end)
+            seen = sorted(r for r, flags in reasons.items() if (flags & sel & throttled).any())
+            hardware = bool(HARDWARE_REASONS & set(seen))
+            clock_min = float(np.nanmin(clock_ratio[sel])) if M.gpu_sm_clock_hertz in g else None
+            temp_max = float(np.nanmax(temp[sel])) if np.isfinite(temp[sel]).any() else None
+            what = []
+            if seen:
+                what.append(f"clocks throttled by {', '.join(seen)} down to {fmt_ratio(clock_min)} of maximum")
+            if temp_max is not None and temp_max > TEMPERATURE_THRESHOLD_C:
+                what.append(f"temperature up to {temp_max:.0f} C")
+            evidence = [
+                Evidence("gpu_sm_clock_ratio", clock_min, 1.0, CLOCK_RATIO_THRESHOLD, "ratio"),
+                Evidence(M.gpu_temperature_celsius, temp_max, None, TEMPERATURE_THRESHOLD_C, "celsius"),
+                Evidence("throttled_seconds", float((throttled & sel).sum()), 0.0, MIN_DURATION_S, "seconds"),
+            ]
+            if M.gpu_power_watts in g and M.gpu_power_limit_watts in g:
+                evidence.append(Evidence(M.gpu_power_watts, float(np.nanmax(g[M.gpu_power_watts].to_numpy(float)[sel])),
+                                         None, float(np.nanmax(g[M.gpu_power_limit_watts].to_numpy(float)[sel])),
+                                         "watts"))
+            findings.append(Finding(
+                kind=KIND, severity=Severity.CRITICAL if hardware else Severity.WARNING,
+                start_s=float(start), end_s=float(end), node=key.get("node"), gpu=label_int(key.get("gpu")),
+                summary=f"GPU {label_int(key.get('gpu'))} for {(end - start) / 60:.0f} min: " + "; ".join(what),
+                evidence=evidence, runbook=alert_name(KIND), fixes=list(FIX_NAMES),
+                details={"reasons": seen, "hardware_slowdown": hardware},
+            ))
+    return findings
+
+
+def _reasons(g) -> dict[str, np.ndarray]:
+    """Per heat/power reason, a mask of the samples in which it was active."""
+    if M.gpu_clock_throttle_active not in g:
+        return {}
+    out = {}
+    values = g[M.gpu_clock_throttle_active].tolist()
+    for reason in HEAT_OR_POWER_REASONS:
+        out[reason] = np.array([isinstance(v, dict) and bool(v.get(reason)) for v in values])
+    return {r: m for r, m in out.items() if m.any()}
+
+
+def _clock_ratio(g) -> np.ndarray:
+    if M.gpu_sm_clock_hertz not in g or M.gpu_sm_clock_max_hertz not in g:
+        # Without clocks a reason flag is taken at its word: NVML sets it only while it limits clocks.
+        return np.zeros(len(g))
+    clock = g[M.gpu_sm_clock_hertz].to_numpy(float)
+    top = g[M.gpu_sm_clock_max_hertz].to_numpy(float)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratio = clock / top
+    return np.where(np.isnan(ratio), 0.0, ratio)

@@ -1,0 +1,509 @@
+"""The analyzers on windows of 1 s rows shaped like the incidents of SCENARIOS.md, and on healthy ones."""
+
+import numpy as np
+import pytest
+
+from gpudiag.analyzers import (
+    cpu_starved_gpu,
+    degenerate_kernel_launch,
+    gpu_cotenant,
+    hardware_errors,
+    kv_eviction_storm,
+    latency_regression,
+    memory_leak,
+    oom_forecast,
+    throttling,
+)
+from gpudiag.analyzers.registry import ANALYZERS, run_all
+from gpudiag.catalog import M
+from gpudiag.findings import Severity, alert_name
+from gpudiag.frames import Window
+
+GiB, MiB = 1024**3, 1024**2
+NODE, GPU, UUID = "node-a", 0, "GPU-0000"
+ENGINE_PID, ENGINE = 4100, "gpudiag-engine"
+HOUR = 3600
+
+
+def window(**tables):
+    """A window from per-kind row lists (each row has its own t)."""
+    ts = [r["t"] for rows in tables.values() for r in rows]
+    return Window.from_rows(tables, start_s=min(ts, default=0.0), end_s=max(ts, default=0.0), node=NODE)
+
+
+def gpu_rows(n, **columns):
+    """One GPU's rows for seconds 1..n; a column value may be a callable of t."""
+    return [{"t": float(t), "node": NODE, "gpu": GPU, "uuid": UUID,
+             **{c: (v(t) if callable(v) else v) for c, v in columns.items()}} for t in range(1, n + 1)]
+
+
+def process_rows(n, pid=ENGINE_PID, process=ENGINE, **columns):
+    return [{**r, "pid": pid, "process": process} for r in gpu_rows(n, **columns)]
+
+
+def engine_rows(n, **columns):
+    return [{**r, "engine": ENGINE} for r in gpu_rows(n, **columns)]
+
+
+def noise(seed, scale):
+    rng = np.random.default_rng(seed)
+    table = rng.normal(0.0, scale, 100_000)
+    return lambda t: float(table[int(t) % table.size])
+
+
+def only(findings, kind):
+    found = [f for f in findings if f.kind == kind]
+    assert len(found) == 1, [f.summary for f in findings]
+    return found[0]
+
+
+def evidence(f):
+    return {e.metric: e for e in f.evidence}
+
+
+# --- memory: leaks by layer, and the OOM forecast ------------------------------------------
+
+def leak_window(white, grey, black, n=HOUR, load=lambda t: 32.0, used_extra=0.0, outstanding=None):
+    """A process whose three colours follow the given functions of t; GPU used = black + extra."""
+    proc = process_rows(n, **{M.process_torch_allocated_bytes: white, M.process_torch_reserved_bytes: grey,
+                              M.process_gpu_memory_bytes: black})
+    for r in proc:
+        for col in (M.process_torch_allocated_bytes, M.process_torch_reserved_bytes):
+            if r[col] is None:
+                del r[col]
+    gpu = gpu_rows(n, **{M.gpu_memory_total_bytes: 80 * GiB,
+                         M.gpu_memory_used_bytes: lambda t: black(t) + used_extra})
+    eng = engine_rows(n, **{M.num_requests_running: load})
+    tables = {"process": proc, "gpu": gpu, "engine": eng}
+    if outstanding is not None:
+        tables["cuda_api"] = [{"t": float(t), "node": NODE, "pid": ENGINE_PID, "process": ENGINE,
+                               M.cuda_outstanding_allocation_bytes: outstanding(t)} for t in range(1, n + 1)]
+    return window(**tables)
+
+
+jitter = noise(1, 8 * MiB)
+
+
+def test_a_tensor_leak_is_found_in_the_allocated_layer_hours_before_the_oom():
+    w = leak_window(white=lambda t: 20 * GiB + 4 * MiB * t + jitter(t),
+                    grey=lambda t: 22 * GiB + 4 * MiB * t + jitter(t),
+                    black=lambda t: 23 * GiB + 4 * MiB * t + jitter(t))
+    f = only(memory_leak.analyze(w), "memory_leak")
+    assert f.details["layer"] == "allocated"
+    assert f.severity is Severity.WARNING
+    assert f.pid == ENGINE_PID and f.gpu == GPU
+    assert f.details["time_to_oom_s"] >= 2 * HOUR
+    assert f.details["growth_bytes_per_second"] == pytest.approx(4 * MiB, rel=0.05)
+    assert (f.start_s, f.end_s) == (1.0, float(HOUR))
+    assert f.runbook == alert_name("memory_leak") and f.fixes == ["no-leak"]
+    assert evidence(f)["time_to_oom_seconds"].observed == f.details["time_to_oom_s"]
+
+
+def test_allocated_growing_with_the_load_is_not_a_leak():
+    w = leak_window(white=lambda t: 20 * GiB + 4 * MiB * t, grey=lambda t: 22 * GiB + 4 * MiB * t,
+                    black=lambda t: 23 * GiB + 4 * MiB * t, load=lambda t: 8 + 48 * t / HOUR)
+    assert memory_leak.analyze(w) == []
+
+
+def test_a_pool_leak_grows_reserved_while_allocated_stays_flat():
+    w = leak_window(white=lambda t: 20 * GiB + jitter(t), grey=lambda t: 22 * GiB + 2 * MiB * t,
+                    black=lambda t: 23 * GiB + 2 * MiB * t)
+    f = only(memory_leak.analyze(w), "memory_leak")
+    assert f.details["layer"] == "pool"
+    assert evidence(f)[M.process_reserved_minus_allocated_bytes].observed == pytest.approx(2 * MiB, rel=0.05)
+
+
+def test_a_driver_leak_outside_pytorch_is_confirmed_by_ebpf_outstanding_allocations():
+    w = leak_window(white=lambda t: 20 * GiB + jitter(t), grey=lambda t: 22 * GiB,
+                    black=lambda t: 23 * GiB + 2 * MiB * t, outstanding=lambda t: 22 * GiB + 2 * MiB * t)
+    f = only(memory_leak.analyze(w), "memory_leak")
+    assert f.details["layer"] == "driver"
+    assert f.details["ebpf"].startswith("confirmed")
+    row = evidence(f)["cuda_outstanding_allocation_growth_bytes_per_second"]
+    assert row.observed == pytest.approx(2 * MiB, rel=0.01)
+
+
+def test_a_driver_leak_without_ebpf_says_it_was_not_cross_checked():
+    w = leak_window(white=lambda t: 20 * GiB, grey=lambda t: 22 * GiB, black=lambda t: 23 * GiB + 2 * MiB * t)
+    f = only(memory_leak.analyze(w), "memory_leak")
+    assert f.details["layer"] == "driver"
+    assert "not cross-checked" in f.details["ebpf"]
+    assert evidence(f)["cuda_outstanding_allocation_growth_bytes_per_second"].observed is None
+
+
+def test_without_an_in_process_reporter_the_leak_is_judged_on_the_driver_layer_alone():
+    w = leak_window(white=lambda t: None, grey=lambda t: None, black=lambda t: 23 * GiB + 2 * MiB * t)
+    f = only(memory_leak.analyze(w), "memory_leak")
+    assert f.details["layer"] == "unknown"
+    assert f.details["layers_observed"] == ["black"]
+    assert "black" in f.details["note"] and "alone" in f.details["note"]
+
+
+def test_steady_memory_and_a_warm_up_plateau_are_not_leaks_nor_an_oom_coming():
+    flat = leak_window(white=lambda t: 20 * GiB + jitter(t), grey=lambda t: 22 * GiB + jitter(t),
+                       black=lambda t: 23 * GiB + jitter(t))
+    warm = leak_window(white=lambda t: min(t, 300) * 60 * MiB, grey=lambda t: min(t, 300) * 64 * MiB,
+                       black=lambda t: GiB + min(t, 300) * 64 * MiB)
+    for w in (flat, warm):
+        assert memory_leak.analyze(w) == []
+        assert oom_forecast.analyze(w) == []
+
+
+def test_reserved_growing_towards_capacity_is_forecast_with_its_time_to_oom():
+    w = leak_window(white=lambda t: 30 * GiB, grey=lambda t: 40 * GiB + 4 * MiB * t + jitter(t),
+                    black=lambda t: 41 * GiB + 4 * MiB * t, used_extra=GiB)
+    f = only(oom_forecast.analyze(w), "oom_forecast")
+    free = 80 * GiB - (41 * GiB + 4 * MiB * HOUR + GiB)
+    assert f.details["time_to_oom_s"] == pytest.approx(free / (4 * MiB), rel=0.05)
+    assert f.details["layer"] == "reserved"
+    assert f.severity is Severity.WARNING
+    assert f.details["oom_at_s"] == pytest.approx(HOUR + f.details["time_to_oom_s"])
+    assert set(f.fixes) == {"expandable-segments", "paged-kv"}
+
+
+def test_reserved_minutes_from_the_limit_is_critical():
+    w = leak_window(white=lambda t: 30 * GiB, grey=lambda t: 40 * GiB + 10 * MiB * t,
+                    black=lambda t: 41 * GiB + 10 * MiB * t, used_extra=2 * GiB)
+    f = only(oom_forecast.analyze(w), "oom_forecast")
+    assert f.details["time_to_oom_s"] < oom_forecast.TIME_TO_OOM_CRITICAL_S
+    assert f.severity is Severity.CRITICAL
+
+
+def test_a_leak_finding_precedes_the_oom_forecast_it_causes():
+    w = leak_window(white=lambda t: 20 * GiB + 4 * MiB * t + jitter(t),
+                    grey=lambda t: 22 * GiB + 4 * MiB * t + jitter(t),
+                    black=lambda t: 25.6 * GiB + 4 * MiB * t)
+    findings = run_all(w)
+    kinds = [f.kind for f in findings]
+    assert kinds[:2] == ["memory_leak", "oom_forecast"], kinds
+    leak, oom = findings[0], findings[1]
+    assert leak.id in oom.caused_by
+    assert leak.details["time_to_oom_s"] >= 2 * HOUR
+
+
+# --- KV eviction storm on vLLM's metrics alone -----------------------------------------------
+
+def vllm_engine_rows(n, storm=None):
+    """Engine rows as engine_scrape produces them from a vLLM endpoint: counters and histogram summaries."""
+    rows, preempt = [], 0.0
+    jit = noise(3, 0.002)
+    for t in range(1, n + 1):
+        in_storm = storm is not None and storm[0] <= t < storm[1]
+        if in_storm and t % 5 == 0:
+            preempt += 1
+        p99 = (0.40 if in_storm else 0.05) + jit(t)
+        rows.append({"t": float(t), "node": NODE, "gpu": GPU, "engine": "vllm:8000",
+                     M.num_preemptions_total: preempt,
+                     M.kv_cache_usage_perc: 0.99 if in_storm else 0.7,
+                     M.num_requests_running: 48,
+                     M.inter_token_latency_seconds: {
+                         "count": 1000.0 * t, "sum": 40.0 * t, "mean": 0.04, "p50": 0.04, "p90": 0.045, "p99": 0.05,
+                         "window": {"count": 1000.0, "sum": 40.0, "mean": 0.04, "p50": 0.04, "p90": 0.045,
+                                    "p99": p99}}})
+    return rows
+
+
+def test_an_eviction_storm_is_found_on_vllm_metrics_alone():
+    w = window(engine=vllm_engine_rows(HOUR, storm=(1200, 2400)))
+    f = only(kv_eviction_storm.analyze(w), "kv_eviction_storm")
+    assert f.severity is Severity.CRITICAL
+    # Rates look back one RATE_WINDOW_S: the episode may extend that far past the last preemption.
+    lag = kv_eviction_storm.RATE_WINDOW_S
+    assert 1200 - lag <= f.start_s <= 1300 and 2350 <= f.end_s <= 2400 + lag
+    ev = evidence(f)
+    assert ev["tpot_p99_seconds"].observed == pytest.approx(0.40, abs=0.02)
+    assert ev["tpot_p99_seconds"].baseline == pytest.approx(0.05, abs=0.01)
+    assert ev[M.kv_cache_usage_perc].observed == pytest.approx(0.99)
+    assert ev["kv_evictions_per_second"].observed >= kv_eviction_storm.EVICTION_RATE_THRESHOLD
+
+
+def test_a_calm_vllm_engine_has_no_storm():
+    assert kv_eviction_storm.analyze(window(engine=vllm_engine_rows(HOUR))) == []
+
+
+# --- CPU-starved GPU --------------------------------------------------------------------------
+
+def starved_window(util, thread, waiting=0.0, arrivals_per_s=20.0, n=900):
+    return window(
+        gpu=gpu_rows(n, **{M.gpu_utilization_ratio: util}),
+        process=process_rows(n, **{M.process_thread_cpu_max_ratio: thread,
+                                   "top_threads": [{"tid": 4101, "name": "tokenizer", "cpu_ratio": 0.99}]}),
+        engine=engine_rows(n, **{M.num_requests_waiting: waiting, M.engine_batch_size: 2,
+                                 M.engine_requests_arrived_total: lambda t: arrivals_per_s * t}))
+
+
+def test_a_gpu_at_ten_percent_with_a_host_thread_at_a_full_core_is_cpu_starved():
+    f = only(cpu_starved_gpu.analyze(starved_window(util=0.10, thread=0.99)), "cpu_starved_gpu")
+    assert f.severity is Severity.CRITICAL
+    assert f.pid == ENGINE_PID and f.details["top_thread"] == "tokenizer"
+    assert f.fixes == ["preprocess-workers"] and f.runbook == alert_name("cpu_starved_gpu")
+    ev = evidence(f)
+    assert ev[M.gpu_utilization_ratio].observed == pytest.approx(0.10)
+    assert ev[M.process_thread_cpu_max_ratio].observed == pytest.approx(0.99)
+    assert f.start_s <= 2.0 and f.end_s == 900.0  # arrival rates need two samples
+
+
+def test_run_queue_wait_from_sched_switch_also_starves_the_gpu():
+    w = starved_window(util=0.3, thread=0.5)
+    w.tables["cuda_api"] = window(cuda_api=[
+        {"t": float(t), "node": NODE, "pid": ENGINE_PID, M.host_runqueue_wait_seconds_total: 0.6 * t,
+         M.host_offcpu_seconds_total: 0.1 * t} for t in range(1, 901)]).tables["cuda_api"]
+    f = only(cpu_starved_gpu.analyze(w), "cpu_starved_gpu")
+    assert f.severity is Severity.WARNING
+    assert evidence(f)["host_runqueue_wait_ratio"].observed == pytest.approx(0.6, abs=0.01)
+
+
+def test_a_busy_gpu_an_idle_engine_or_a_full_queue_is_not_cpu_starvation():
+    assert cpu_starved_gpu.analyze(starved_window(util=0.7, thread=0.4)) == []
+    assert cpu_starved_gpu.analyze(starved_window(util=0.05, thread=0.99, arrivals_per_s=0.0)) == []
+    assert cpu_starved_gpu.analyze(starved_window(util=0.1, thread=0.99, waiting=40.0)) == []
+
+
+# --- co-tenant ---------------------------------------------------------------------------------
+
+def cotenant_window(n=900, cotenant=True, engine_extra=None):
+    proc = process_rows(n, **{M.process_gpu_memory_bytes: 30 * GiB})
+    if cotenant:
+        proc += process_rows(n, pid=777, process="python train.py", **{M.process_gpu_memory_bytes: 38 * GiB})
+    eng = engine_rows(n, **{M.engine_kv_capacity_bytes: 9 * GiB if cotenant else 45 * GiB})
+    if engine_extra:
+        for r, extra in zip(eng, engine_extra):
+            r.update(extra)
+    return window(process=proc, engine=eng, gpu=gpu_rows(n, **{M.gpu_memory_total_bytes: 80 * GiB}))
+
+
+def test_a_leftover_training_process_on_the_engines_gpu_is_a_cotenant():
+    f = only(gpu_cotenant.analyze(cotenant_window()), "gpu_cotenant")
+    assert f.pid == 777 and f.gpu == GPU
+    assert f.severity is Severity.CRITICAL
+    assert f.details["engine_pid"] == ENGINE_PID
+    ev = evidence(f)
+    assert ev["cotenant_gpu_memory_bytes"].observed == 38 * GiB
+    assert ev["kv_capacity_of_nominal_ratio"].observed == pytest.approx(9 / 47)
+    assert f.fixes == ["dedicated-gpu"]
+    assert "python train.py" in f.summary
+
+
+def test_an_engine_alone_on_its_gpu_has_no_cotenant():
+    assert gpu_cotenant.analyze(cotenant_window(cotenant=False)) == []
+
+
+def test_a_cotenant_finding_heads_the_eviction_storm_it_caused():
+    n = HOUR
+    storm_rows = vllm_engine_rows(n, storm=(1200, 2400))
+    extra = [{k: v for k, v in r.items() if k not in ("t", "node", "gpu", "engine")} for r in storm_rows]
+    findings = run_all(cotenant_window(n=n, engine_extra=extra))
+    kinds = [f.kind for f in findings]
+    assert kinds.index("gpu_cotenant") < kinds.index("kv_eviction_storm")
+    cot = only(findings, "gpu_cotenant")
+    storm = only(findings, "kv_eviction_storm")
+    assert cot.id in storm.caused_by
+    assert not cot.caused_by
+    assert findings[0].kind == "gpu_cotenant"
+
+
+# --- degenerate kernel launch -------------------------------------------------------------
+
+def kernel_rows(n, blocks, duration, function="flash_attn_bwd", launches_per_s=50):
+    return [{"t": float(t), "node": NODE, "pid": ENGINE_PID, "process": ENGINE, "function": function,
+             M.cuda_function_launches_total: launches_per_s * t, M.cuda_function_grid_blocks: blocks(t),
+             M.cuda_function_duration_seconds: duration(t)} for t in range(1, n + 1)]
+
+
+def test_flash_attention_launched_with_grid_one_after_an_upgrade_is_found():
+    rows = kernel_rows(1800, blocks=lambda t: 1024 if t < 900 else 1, duration=lambda t: 2e-3 if t < 900 else 80e-3)
+    rows += kernel_rows(1800, blocks=lambda t: 1, duration=lambda t: 4e-6, function="scalar_bookkeeping")
+    w = window(cuda_api=rows, process=process_rows(10, **{M.process_gpu_memory_bytes: GiB}))
+    f = only(degenerate_kernel_launch.analyze(w), "degenerate_kernel_launch")
+    assert f.severity is Severity.CRITICAL and f.gpu == GPU and f.pid == ENGINE_PID
+    assert f.details["function"] == "flash_attn_bwd"
+    assert f.details["slowdown_ratio"] == pytest.approx(40)
+    assert (f.start_s, f.end_s) == (900.0, 1800.0)
+    assert evidence(f)[M.cuda_function_grid_blocks].baseline == 1024
+    assert f.fixes == ["correct-grid"]
+
+
+def test_a_single_block_kernel_that_runs_for_milliseconds_is_degenerate_without_history():
+    w = window(cuda_api=kernel_rows(600, blocks=lambda t: 1, duration=lambda t: 80e-3))
+    f = only(degenerate_kernel_launch.analyze(w), "degenerate_kernel_launch")
+    assert f.gpu is None  # no process rows: the pid's GPU is unknown
+
+
+def test_grid_one_launches_seen_only_as_a_counter_give_a_warning_without_durations():
+    rows = [{"t": float(t), "node": NODE, "pid": ENGINE_PID, M.cuda_kernel_launches_total: 100 * t,
+             M.cuda_degenerate_launches_total: 10 * t} for t in range(1, 601)]
+    f = only(degenerate_kernel_launch.analyze(window(cuda_api=rows)), "degenerate_kernel_launch")
+    assert f.severity is Severity.WARNING
+    assert f.details["durations"] == "not measured"
+    assert evidence(f)["degenerate_launch_share_ratio"].observed == pytest.approx(0.1)
+
+
+def test_healthy_launches_and_fast_bookkeeping_kernels_are_not_degenerate():
+    rows = kernel_rows(600, blocks=lambda t: 1024, duration=lambda t: 2e-3)
+    rows += kernel_rows(600, blocks=lambda t: 1, duration=lambda t: 4e-6, function="scalar_bookkeeping")
+    rows += [{"t": float(t), "node": NODE, "pid": 9, M.cuda_kernel_launches_total: 100 * t,
+              M.cuda_degenerate_launches_total: t} for t in range(1, 601)]
+    assert degenerate_kernel_launch.analyze(window(cuda_api=rows)) == []
+
+
+# --- throttling and hardware errors -------------------------------------------------------------
+
+REASONS_OFF = {r: 0 for r in ("gpu_idle", "sw_power_cap", "hw_slowdown", "sw_thermal_slowdown",
+                              "hw_thermal_slowdown", "hw_power_brake_slowdown")}
+
+
+def clocks(n, reason_at, clock_ratio_at, temp_at):
+    return gpu_rows(n, **{
+        M.gpu_clock_throttle_active: lambda t: {**REASONS_OFF, **reason_at(t)},
+        M.gpu_sm_clock_hertz: lambda t: 1.41e9 * clock_ratio_at(t), M.gpu_sm_clock_max_hertz: 1.41e9,
+        M.gpu_temperature_celsius: temp_at, M.gpu_power_watts: 300.0, M.gpu_power_limit_watts: 400.0})
+
+
+def test_a_hot_gpu_slowed_by_hardware_thermal_slowdown_is_critical():
+    hot = (600, 900)
+    w = window(gpu=clocks(1200, reason_at=lambda t: {"hw_thermal_slowdown": int(hot[0] <= t < hot[1])},
+                          clock_ratio_at=lambda t: 0.6 if hot[0] <= t < hot[1] else 1.0,
+                          temp_at=lambda t: 91.0 if hot[0] <= t < hot[1] else 70.0))
+    f = only(throttling.analyze(w), "throttling")
+    assert f.severity is Severity.CRITICAL
+    assert (f.start_s, f.end_s) == (600.0, 899.0)
+    assert f.details["reasons"] == ["hw_thermal_slowdown"]
+    ev = evidence(f)
+    assert ev["gpu_sm_clock_ratio"].observed == pytest.approx(0.6)
+    assert ev[M.gpu_temperature_celsius].observed == 91.0
+
+
+def test_above_85_celsius_alone_is_a_warning():
+    w = window(gpu=clocks(600, reason_at=lambda t: {}, clock_ratio_at=lambda t: 1.0,
+                          temp_at=lambda t: 87.0 if t > 300 else 80.0))
+    f = only(throttling.analyze(w), "throttling")
+    assert f.severity is Severity.WARNING and f.details["reasons"] == []
+
+
+def test_idle_clocks_and_a_brief_power_cap_are_not_throttling():
+    w = window(gpu=clocks(600, reason_at=lambda t: {"gpu_idle": 1, "sw_power_cap": int(100 <= t < 120)},
+                          clock_ratio_at=lambda t: 0.3, temp_at=lambda t: 45.0))
+    assert throttling.analyze(w) == []
+
+
+def hw_rows(n, xid=lambda t: {}, corrected=lambda t: 0, nvlink=lambda t: 0, replay=lambda t: 0):
+    return gpu_rows(n, **{
+        M.gpu_xid_errors_total: xid,
+        M.gpu_ecc_errors_total: lambda t: {"volatile": {"corrected": corrected(t), "uncorrected": 0},
+                                           "aggregate": {"corrected": 5000 + corrected(t), "uncorrected": 2}},
+        M.gpu_nvlink_errors_total: lambda t: {"dl_replay": nvlink(t), "dl_recovery": 0, "dl_crc_flit": 0},
+        M.gpu_pcie_replay_total: replay, M.gpu_lost: 0})
+
+
+def test_a_gpu_fallen_off_the_bus_xid_79_is_critical():
+    f = only(hardware_errors.analyze(window(gpu=hw_rows(600, xid=lambda t: {"79": 1} if t >= 400 else {}))),
+             "hardware_errors")
+    assert f.severity is Severity.CRITICAL
+    assert f.start_s == 400.0
+    assert f.details["counters"] == {"gpu_xid_errors_total{xid=79}": 1.0}
+
+
+def test_corrected_ecc_and_pcie_replays_rising_are_warnings():
+    w = window(gpu=hw_rows(600, corrected=lambda t: t // 4, replay=lambda t: t // 30))
+    f = only(hardware_errors.analyze(w), "hardware_errors")
+    assert f.severity is Severity.WARNING
+    ev = evidence(f)
+    assert ev["gpu_ecc_errors_total{kind=corrected}"].observed == 150
+    assert ev[M.gpu_pcie_replay_total].observed == 20
+
+
+def test_steady_counters_and_a_few_link_retrains_are_healthy():
+    w = window(gpu=hw_rows(600, nvlink=lambda t: 3 if t > 100 else 0, replay=lambda t: 7))
+    assert hardware_errors.analyze(w) == []
+
+
+# --- latency regression ----------------------------------------------------------------------
+
+def request_rows(n_s, slow_from=None, stragglers=0.0, factor=1.0, qps=10, seed=5):
+    rng = np.random.default_rng(seed)
+    rows = []
+    for t in range(1, n_s + 1):
+        for _ in range(qps):
+            ttft, tpot = rng.lognormal(np.log(0.08), 0.2), rng.lognormal(np.log(0.05), 0.15)
+            if slow_from is not None and t >= slow_from:
+                tpot *= factor
+                if rng.random() < stragglers:
+                    tpot *= 12
+            rows.append({"t": float(t), "node": NODE, "gpu": GPU, "engine": ENGINE,
+                         M.time_to_first_token_seconds: ttft, M.inter_token_latency_seconds: tpot,
+                         M.e2e_request_latency_seconds: ttft + 200 * tpot})
+    return rows
+
+
+def test_p99_up_with_p50_flat_points_at_stragglers_or_communication():
+    w = window(request=request_rows(HOUR, slow_from=2400, stragglers=0.03))
+    f = only(latency_regression.analyze(w), "latency_regression")
+    assert f.details["pattern"] == "stragglers_or_communication"
+    assert "NVLink" in f.details["hint"] and "PCIe" in f.details["hint"]
+    assert M.inter_token_latency_seconds in f.details["metrics"]
+    assert M.time_to_first_token_seconds not in f.details["metrics"]
+    assert abs(f.start_s - 2400) <= latency_regression.BUCKET_S and f.end_s >= 3300
+    ev = evidence(f)
+    assert ev["inter_token_latency_p99_seconds"].observed >= 2 * ev["inter_token_latency_p99_seconds"].baseline
+    assert ev["inter_token_latency_p50_seconds"].observed <= 1.2 * ev["inter_token_latency_p50_seconds"].baseline
+
+
+def test_everything_slower_is_a_broad_regression_and_critical_at_three_times():
+    w = window(request=request_rows(HOUR, slow_from=1800, factor=4.0))
+    f = only(latency_regression.analyze(w), "latency_regression")
+    assert f.details["pattern"] == "broad" and "hint" not in f.details
+    assert f.severity is Severity.CRITICAL
+
+
+def test_a_given_baseline_replaces_the_windows_first_part():
+    w = window(request=request_rows(1800))
+    base = {M.inter_token_latency_seconds: {"p50": 0.02, "p99": 0.025}}
+    f = only(latency_regression.analyze(w, baseline=base), "latency_regression")
+    assert f.details["metrics"] == [M.inter_token_latency_seconds]
+
+
+def test_steady_latency_is_no_regression():
+    assert latency_regression.analyze(window(request=request_rows(HOUR))) == []
+
+
+def test_latency_regression_reads_vllm_histogram_summaries_without_request_rows():
+    f = only(latency_regression.analyze(window(engine=vllm_engine_rows(HOUR, storm=(2400, 3600)))),
+             "latency_regression")
+    assert f.details["metrics"] == [M.inter_token_latency_seconds]
+    assert f.details["pattern"] == "stragglers_or_communication"
+
+
+# --- robustness ----------------------------------------------------------------------------------
+
+def sparse_window():
+    """Rows with labels and unrelated columns only: every analyzer must find nothing and not fail."""
+    return window(gpu=gpu_rows(120, **{M.gpu_power_watts: 100.0}),
+                  process=process_rows(120, **{M.process_resident_memory_bytes: GiB}),
+                  engine=engine_rows(120, **{M.prompt_tokens_total: lambda t: t}),
+                  request=[{"t": 5.0, "node": NODE, "gpu": GPU, "request_id": 1}],
+                  cuda_api=[{"t": 5.0, "node": NODE, "pid": ENGINE_PID, "api": "cudaMalloc",
+                             M.cuda_api_calls_total: 3}])
+
+
+@pytest.mark.parametrize("kind", sorted(ANALYZERS))
+def test_missing_columns_give_no_finding_and_no_error(kind):
+    assert ANALYZERS[kind](sparse_window()) == []
+    assert ANALYZERS[kind](Window({}, 0.0, 0.0)) == []
+
+
+def test_a_healthy_node_produces_no_finding_from_any_analyzer():
+    n = 1800
+    w = window(
+        gpu=gpu_rows(n, **{M.gpu_utilization_ratio: lambda t: 0.65 + noise(7, 0.03)(t),
+                           M.gpu_memory_total_bytes: 80 * GiB, M.gpu_memory_used_bytes: 62 * GiB,
+                           M.gpu_temperature_celsius: 68.0, M.gpu_sm_clock_hertz: 1.41e9,
+                           M.gpu_sm_clock_max_hertz: 1.41e9, M.gpu_clock_throttle_active: REASONS_OFF,
+                           M.gpu_xid_errors_total: {}, M.gpu_pcie_replay_total: 0}),
+        process=process_rows(n, **{M.process_torch_allocated_bytes: lambda t: 55 * GiB + jitter(t),
+                                   M.process_torch_reserved_bytes: 60 * GiB, M.process_gpu_memory_bytes: 61 * GiB,
+                                   M.process_thread_cpu_max_ratio: 0.35}),
+        engine=engine_rows(n, **{M.num_requests_running: 48, M.num_requests_waiting: 2,
+                                 M.engine_kv_capacity_bytes: 40 * GiB, M.engine_kv_evictions_total: 0,
+                                 M.engine_requests_arrived_total: lambda t: 80 * t}),
+        request=request_rows(n, qps=5))
+    assert run_all(w) == []
