@@ -57,6 +57,8 @@ class SimProbe(Probe):
         self._done = False
         self._timeline: deque[Frame] | None = deque() if timeline else None
         self.dropped_frames = 0
+        self._horizon_s: float | None = None
+        self._horizon_moved = threading.Condition(self._lock)
         self.sim_time_s = 0.0
         self.engine = SimEngine(cfg, workload, seed=seed, clock=VirtualClock(speed, sleep=self._sleep))
         self._thread = threading.Thread(target=self._run, name=f"gpudiag-sim-{sc.name}", daemon=True)
@@ -70,6 +72,8 @@ class SimProbe(Probe):
         try:
             for fr in self.engine.frames():
                 with self._lock:
+                    while self._horizon_s is not None and fr.t > self._horizon_s and not self._stop.is_set():
+                        self._horizon_moved.wait(0.1)
                     if fr.kind == "request":
                         if self._timeline is None:  # drain() hands them out instead
                             self._requests.extend(fr.rows)
@@ -109,6 +113,17 @@ class SimProbe(Probe):
             self._timeline.clear()
         return [Frame(f.kind, f.t, [dict(r, sim_t=f.t) for r in f.rows]) for f in taken]
 
+    def hold_after(self, sim_t: float | None) -> None:
+        """Let the engine run up to simulated second ``sim_t`` and wait there (None: no limit).
+
+        A consumer that cannot keep up with ``speed`` (the agent's analyzers) holds the
+        simulation back instead of seeing its findings late; the pace is then the
+        slower of ``speed`` and the consumer.
+        """
+        with self._lock:
+            self._horizon_s = sim_t
+            self._horizon_moved.notify_all()
+
     @property
     def finished(self) -> bool:
         """True once the scenario's workload has run to its end (or failed)."""
@@ -124,6 +139,7 @@ class SimProbe(Probe):
     def close(self) -> None:
         """Stop the engine thread."""
         self._stop.set()
+        self.hold_after(None)
         self._thread.join(timeout=2.0)
 
 

@@ -1,0 +1,744 @@
+"""The per-node agent: probes on their own schedules, the tracker, the store, exporters, streaming findings.
+
+Threads, each with one job, so that a slow or failing part never stalls another:
+
+* one **probe slot** per probe, sampling at that probe's own interval (NVML,
+  host, torch, tracker 1 s; eBPF map read 1 s; engine scrape 5 s). A probe
+  that raises is counted in ``agent_probe_errors_total{probe,kind}`` and
+  sampled again at its next tick; a probe slower than its interval is counted
+  as ``kind="overrun"`` and simply ticks less often;
+* the **tracker** joins the process rows of every probe (NVML's black layer,
+  the in-process reporters' white and grey) per (GPU, pid) once a second;
+* the **flusher** writes the store every second and refreshes the self-metrics
+  (tick duration per probe, probe errors, dropped events, store write latency
+  and size, agent CPU and RSS);
+* the **analyzer** runs every analyzer every ``analyzers.interval_s`` of frame
+  time over a sliding window (default 15 minutes) kept in memory, and turns
+  what they return into open and resolved findings (:class:`FindingLog`).
+
+Every tick's frames go to :class:`~gpudiag.agent.prom_exporter.LatestFrames`
+(the Prometheus endpoint and OTLP read it), to the store and to the window.
+
+In ``--sim`` mode the probe is the reference engine on the simulated GPU,
+paced at ``speed`` times real time. Its frames are drained every tick, all of
+them, and stamped on a simulated time base (the agent's start time plus the
+simulated second), so the store and the analyzers see 1 s samples at any
+speed.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+import psutil
+
+from gpudiag.agent.config import AgentConfig
+from gpudiag.agent.prom_exporter import LatestFrames, parse_listen, registry_for, serve
+from gpudiag.agent.store import Store
+from gpudiag.agent.tracker import ThreeColourTracker
+from gpudiag.catalog import M
+from gpudiag.errors import GpudiagError
+from gpudiag.findings import Finding, Severity
+from gpudiag.frames import Frame, Window
+from gpudiag.probes.base import Probe, ProbeError
+
+log = logging.getLogger("gpudiag.agent")
+
+# A finding the analyzers still report but whose evidence ended this long before the
+# window's newest frame is over: the analyzers merge episodes up to 300 s apart
+# (kv_eviction_storm, memory_fragmentation MERGE_GAP_S), so a recurrence within that
+# gap would have extended it.
+RESOLVE_AFTER_S = 300.0
+# Two sightings of one kind on one entity this close are the same finding: the start an
+# analyzer reports moves as the window slides over it.
+SAME_FINDING_SLACK_S = 300.0
+# How often the analyzer thread checks whether analyzers.interval_s of frame time passed.
+ANALYSIS_POLL_S = 0.05
+# With --sim the engine may run at most this far (simulated seconds) ahead of the last
+# analysis: at high speeds analysis is the bottleneck, and a finding seen minutes of
+# simulated time late would misplace it. A minute is the shortest episode the analyzers
+# report (kv_eviction_storm MIN_DURATION_S).
+SIM_LEAD_S = 60.0
+FLUSH_INTERVAL_S = 1.0
+# Per-row keys that describe the probe's state, not the timeline.
+_NOT_IN_WINDOW = ("missing_reasons",)
+
+
+# --- probe slots --------------------------------------------------------------------------
+
+
+class ProbeSlot:
+    """One probe sampled on its own thread at its own interval; counts errors, overruns and tick time."""
+
+    def __init__(self, key: str, probe: Probe, interval_s: float, sink, *, timeline: bool = False):
+        self.key = key
+        self.probe = probe
+        self.interval_s = float(interval_s)
+        self.timeline = timeline  # frames carry their own (simulated) time; see Agent._ingest
+        self._sink = sink
+        self.errors: dict[str, int] = {}
+        self.last_tick_s: float | None = None
+        self.last_error: str | None = None
+        self.available = True
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"gpudiag-probe-{key}", daemon=True)
+
+    def start(self) -> None:
+        """Begin sampling."""
+        self._thread.start()
+
+    def _count(self, kind: str, message: str) -> None:
+        self.errors[kind] = self.errors.get(kind, 0) + 1
+        if message != self.last_error:  # one log line per change of failure, not per tick
+            log.warning("probe %s: %s", self.key, message)
+        self.last_error = message
+
+    def tick(self) -> None:
+        """Sample once and hand the frames on; never raises."""
+        started = time.perf_counter()
+        try:
+            frames = self.probe.sample(time.time())
+        except ProbeError as exc:
+            self._count("probe_error", str(exc))
+            frames = None
+        except Exception as exc:  # noqa: BLE001 - a probe bug must not take the agent down
+            self._count("exception", f"{type(exc).__name__}: {exc}")
+            frames = None
+        self.last_tick_s = time.perf_counter() - started
+        if frames is None:
+            return
+        if self.last_error is not None:
+            log.info("probe %s works again", self.key)
+            self.last_error = None
+        try:
+            self._sink(self, frames)
+        except Exception as exc:  # noqa: BLE001 - malformed frames are that probe's fault
+            self._count("bad_frames", f"{type(exc).__name__}: {exc}")
+
+    def _run(self) -> None:
+        next_at = time.monotonic()
+        while not self._stop.is_set():
+            self.tick()
+            next_at += self.interval_s
+            now = time.monotonic()
+            if now > next_at:  # behind: skip the missed ticks
+                if self.last_tick_s > self.interval_s:  # the probe itself is too slow: say so
+                    self.errors["overrun"] = self.errors.get("overrun", 0) + 1
+                    if self.errors["overrun"] == 1:
+                        log.warning("probe %s: a tick took %.3f s, longer than its %g s interval; it ticks "
+                                    "less often (counted as kind=\"overrun\")", self.key, self.last_tick_s,
+                                    self.interval_s)
+                next_at = now
+            self._stop.wait(max(0.0, next_at - now))
+
+    def stop(self, timeout_s: float = 1.0) -> None:
+        """Stop sampling (waits up to ``timeout_s`` for a tick in progress) and close the probe."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        try:
+            self.probe.close()
+        except Exception as exc:  # noqa: BLE001 - closing on the way out: say it, go on
+            log.warning("closing probe %s: %s", self.key, exc)
+
+    def dropped(self) -> int:
+        """Events the probe dropped (full buffers), when it counts them."""
+        fn = getattr(self.probe, "dropped_events", None)
+        try:
+            return int(fn()) if fn is not None else 0
+        except Exception:  # noqa: BLE001 - a count, not worth failing for
+            return 0
+
+    def metric_rows(self) -> list[dict[str, Any]]:
+        """Self-metrics rows of this slot."""
+        rows: list[dict[str, Any]] = [{"probe": self.key, M.agent_probe_available: 1 if self.available else 0,
+                                       M.agent_dropped_events_total: self.dropped()}]
+        if self.last_tick_s is not None:
+            rows.append({"probe": self.key, M.agent_tick_seconds: self.last_tick_s})
+        rows += [{"probe": self.key, "kind": kind, M.agent_probe_errors_total: n}
+                 for kind, n in sorted(self.errors.items())]
+        return rows
+
+
+class SimTimeline(Probe):
+    """The simulated engine's every frame since the last tick, stamped ``t0 + simulated second``."""
+
+    name = "sim"
+
+    def __init__(self, scenario: str, *, speed: float, seed: int, t0: float | None = None):
+        from gpudiag.probes.sim import SimProbe
+
+        self.sim = SimProbe(scenario, speed=speed, seed=seed, timeline=True)
+        self.t0 = time.time() if t0 is None else t0
+        # Drained four times per wall second at most speeds, so findings follow the
+        # simulated clock closely without a wake-up per simulated second.
+        self.interval_s = 0.25
+
+    def sample(self, now: float) -> list[Frame]:
+        """Frames produced since the previous call, on the simulated time base."""
+        return [Frame(f.kind, self.t0 + f.t, f.rows) for f in self.sim.drain()]
+
+    def hold_after(self, t: float) -> None:
+        """Let the simulated engine run up to frame time ``t`` (see SimProbe.hold_after)."""
+        self.sim.hold_after(t - self.t0)
+
+    def dropped_events(self) -> int:
+        """Simulated frames dropped because nobody drained them."""
+        return self.sim.dropped_frames
+
+    def status(self) -> dict[str, Any]:
+        """The simulated engine's status."""
+        return self.sim.status()
+
+    def close(self) -> None:
+        """Stop the simulated engine."""
+        self.sim.close()
+
+
+class EbpfProbe(Probe):
+    """The CUDA API eBPF probes (always-on, low-rate calls only) read once a tick; started on first use."""
+
+    name = "ebpf"
+
+    def __init__(self, node: str | None = None):
+        self.node = node
+        self._inner = None
+
+    def sample(self, now: float) -> list[Frame]:
+        """Attach on the first call (compiling takes seconds, on this slot's thread), then read the maps."""
+        if self._inner is None:
+            from gpudiag.probes.cuda_ebpf import CudaApiProbe
+
+            # Launch APIs fire millions of times a second under load; an always-on agent
+            # probes only allocations, frees, copies, syncs and errors (DESIGN.md).
+            self._inner = CudaApiProbe(None, launches=False, node=self.node).start()
+        self._inner.poll()
+        return self._inner.frames(now)
+
+    def dropped_events(self) -> int:
+        """Events the kernel could not record."""
+        return sum(self._inner.drops().values()) if self._inner is not None else 0
+
+    def close(self) -> None:
+        """Detach (in the background)."""
+        if self._inner is not None:
+            self._inner.close()
+            self._inner = None
+
+
+def ebpf_unavailable_reason() -> str | None:
+    """Why the eBPF probes cannot run here (first blocking check), or None when they can."""
+    try:
+        from gpudiag.probes import cuda_ebpf  # noqa: F401
+        from gpudiag.probes.ebpf_readiness import blocking, ebpf_checks, explain
+    except Exception as exc:  # noqa: BLE001 - a missing or broken module is a reason, not a crash
+        return f"eBPF probe modules not importable: {type(exc).__name__}: {exc}"
+    try:
+        blockers = blocking(ebpf_checks())
+    except Exception as exc:  # noqa: BLE001
+        return f"eBPF readiness check failed: {type(exc).__name__}: {exc}"
+    return explain(blockers[0]) if blockers else None
+
+
+# --- the in-memory window -------------------------------------------------------------------
+
+
+class SlidingWindow:
+    """The last ``window_s`` seconds of frames, per kind, as DataFrame chunks (built once, reused).
+
+    Frames are added as rows; :meth:`window` turns the rows added since the last
+    call into one DataFrame chunk per kind, drops the chunks that left the window
+    and concatenates the rest, so every analysis converts only new rows.
+    """
+
+    def __init__(self, window_s: float):
+        self.window_s = float(window_s)
+        self._lock = threading.Lock()
+        self._pending: dict[str, list[dict[str, Any]]] = {}
+        self._chunks: dict[str, deque[tuple[float, pd.DataFrame]]] = {}
+        self.newest_t: float | None = None
+
+    def add(self, frames: Iterable[Frame]) -> None:
+        """Take frames (rows are copied without the per-row probe state)."""
+        with self._lock:
+            for fr in frames:
+                bucket = self._pending.setdefault(fr.kind, [])
+                for r in fr.rows:
+                    row = {k: v for k, v in r.items() if k not in _NOT_IN_WINDOW}
+                    row["t"] = fr.t
+                    bucket.append(row)
+                if self.newest_t is None or fr.t > self.newest_t:
+                    self.newest_t = fr.t
+
+    def window(self, node: str | None = None) -> Window:
+        """The frames of ``(newest - window_s, newest]`` as a Window."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+            end = self.newest_t
+        if end is None:
+            return Window({}, 0.0, 0.0, node)
+        start = end - self.window_s
+        for kind, rows in pending.items():
+            if rows:
+                df = pd.DataFrame.from_records(rows)
+                for col in df.columns:
+                    # Label columns stay plain objects: the analyzers compare them to scalars
+                    # per entity, and pandas' python-backed str dtype does that ~2x slower.
+                    if isinstance(df[col].dtype, pd.StringDtype):
+                        df[col] = df[col].astype(object)
+                self._chunks.setdefault(kind, deque()).append((float(df["t"].max()), df))
+        tables = {}
+        for kind, chunks in self._chunks.items():
+            while chunks and chunks[0][0] <= start:
+                chunks.popleft()
+            if not chunks:
+                continue
+            df = pd.concat([c for _, c in chunks], ignore_index=True) if len(chunks) > 1 else chunks[0][1]
+            df = df[df["t"] > start]
+            tables[kind] = df.sort_values("t", kind="stable").reset_index(drop=True)
+        return Window(tables, start, end, node, sources=["agent"])
+
+
+# --- findings over time -----------------------------------------------------------------------
+
+
+@dataclass
+class _Open:
+    id: str
+    key: tuple
+    start_s: float
+    end_s: float
+    finding: Finding
+    opened_at_s: float
+    resolved_at_s: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def document(self) -> dict[str, Any]:
+        d = self.finding.to_dict()
+        d.update(id=self.id, start_s=self.start_s, end_s=self.end_s if self.resolved_at_s is not None else None,
+                 state="resolved" if self.resolved_at_s is not None else "open",
+                 opened_at_s=self.opened_at_s, resolved_at_s=self.resolved_at_s, last_evidence_s=self.end_s)
+        return d
+
+
+class FindingLog:
+    """Turns each analysis' findings into opened, updated and resolved findings with stable ids.
+
+    An analyzer re-run over a sliding window reports the same episode with a start
+    that moves (its trailing windows are cut by the window's start); two sightings of
+    one kind on one (node, GPU, pid) within SAME_FINDING_SLACK_S are one finding, which
+    keeps the id and the earliest start of its first sighting. A finding is resolved
+    when the latest analysis no longer reports it, or reports it with evidence that
+    ended RESOLVE_AFTER_S before the window's end; its end is the last evidence.
+    """
+
+    def __init__(self):
+        self.open: dict[str, _Open] = {}
+        self._resolved: dict[str, _Open] = {}  # remembered while sightings of them may still come
+
+    @staticmethod
+    def _key(f: Finding) -> tuple:
+        return (f.kind, f.node, f.gpu, f.pid)
+
+    def restore(self, documents: Iterable[dict[str, Any]]) -> None:
+        """Take the findings a previous run left open (from the store), so they can be resolved."""
+        for d in documents:
+            if d.get("end_s") is not None:
+                continue
+            f = Finding(kind=d["kind"], severity=Severity(str(d["severity"])), start_s=float(d["start_s"]),
+                        end_s=float(d.get("last_evidence_s") or d["start_s"]), summary=d.get("summary", ""),
+                        gpu=d.get("gpu"), node=d.get("node"), pid=d.get("pid"), runbook=d.get("runbook", ""),
+                        fixes=list(d.get("fixes") or []), caused_by=list(d.get("caused_by") or []))
+            self.open[d["id"]] = _Open(d["id"], self._key(f), f.start_s, f.end_s, f,
+                                       float(d.get("opened_at_s") or f.start_s))
+
+    def _match(self, f: Finding, pool: dict[str, _Open]) -> _Open | None:
+        key = self._key(f)
+        for rec in pool.values():
+            if rec.key == key and f.start_s <= rec.end_s + SAME_FINDING_SLACK_S \
+                    and f.end_s >= rec.start_s - SAME_FINDING_SLACK_S:
+                return rec
+        return None
+
+    def reconcile(self, findings: list[Finding], window_end_s: float, window_start_s: float
+                  ) -> tuple[list[_Open], list[_Open], list[_Open]]:
+        """(opened, updated, resolved) after one analysis ending at ``window_end_s``."""
+        opened, updated, resolved = [], [], []
+        seen: set[str] = set()
+        for f in findings:
+            over = f.end_s < window_end_s - RESOLVE_AFTER_S
+            rec = self._match(f, self.open)
+            if rec is None:
+                old = self._match(f, self._resolved)
+                if old is not None:
+                    if f.end_s <= old.end_s + SAME_FINDING_SLACK_S:
+                        continue  # the same, already resolved episode seen again as the window slides
+                    rec = old  # it came back: reopen under its id
+                    del self._resolved[old.id]
+                    rec.resolved_at_s = None
+                    self.open[rec.id] = rec
+                    opened.append(rec)
+            if rec is None:
+                rec = _Open(f.id, self._key(f), f.start_s, f.end_s, f, window_end_s)
+                self.open[rec.id] = rec
+                opened.append(rec)
+            elif rec not in opened:
+                changed = (f.severity != rec.finding.severity or f.summary != rec.finding.summary
+                           or f.end_s != rec.end_s)
+                if changed:
+                    updated.append(rec)
+            rec.start_s = min(rec.start_s, f.start_s)
+            rec.end_s = max(rec.end_s, f.end_s)
+            rec.finding = f
+            if not over:
+                seen.add(rec.id)
+        for rid in [r for r in self.open if r not in seen]:
+            rec = self.open.pop(rid)
+            rec.resolved_at_s = window_end_s
+            self._resolved[rid] = rec
+            resolved.append(rec)
+            if rec in updated:
+                updated.remove(rec)
+        for rid in [r for r, rec in self._resolved.items() if rec.end_s < window_start_s]:
+            del self._resolved[rid]
+        return opened, updated, resolved
+
+    def active(self) -> list[dict[str, Any]]:
+        """The open findings as documents (for the exporter's gpudiag_finding_active)."""
+        return [rec.document() for rec in self.open.values()]
+
+
+# --- the agent ----------------------------------------------------------------------------------
+
+
+class Agent:
+    """The per-node agent. ``Agent(config, ...).start()``, then ``stop()``; ``reload(config)`` on SIGHUP.
+
+    ``probes`` replaces the probes the agent would open itself (tests, benchmarks);
+    ``sim`` runs the reference engine's scenario on the simulated GPU instead of the
+    node's probes. The store is opened first, so a second agent on the same store is
+    refused before it binds a port or starts a probe.
+    """
+
+    def __init__(self, config: AgentConfig, *, sim: str | None = None, speed: float = 1.0, seed: int = 0,
+                 probes: list[tuple[str, Probe, float]] | None = None, node: str | None = None,
+                 serve_metrics: bool = True):
+        self.config = config
+        self.sim, self.speed, self.seed = sim, speed, seed
+        self.node = node or config.get("agent.node") or ("sim-node" if sim else socket.gethostname())
+        self._given_probes = probes
+        self._serve_metrics = serve_metrics
+        self.store = Store.open(config.store_path(), retention_s=config.get("store.retention_s"),
+                                max_bytes=config.get("store.max_bytes"))
+        self.latest = LatestFrames(self.node, export_engine_dialect=sim is not None)
+        self.registry = registry_for(self.latest)
+        self.tracker = ThreeColourTracker()
+        self.window = SlidingWindow(config.get("analyzers.window_s"))
+        self.findings = FindingLog()
+        self.findings.restore(self.store.findings(0.0, float("inf")))
+        self.slots: list[ProbeSlot] = []
+        self.unavailable: dict[str, str] = {}
+        self.server = None
+        self.otlp = None
+        self._ingest_lock = threading.Lock()
+        self._process_rows: dict[str, tuple[float, list[dict[str, Any]]]] = {}
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._proc = psutil.Process()
+        self._cpu_mark = (time.monotonic(), self._cpu_seconds())
+        self._cpu_ratio: float | None = None
+        self.analysis_seconds: float | None = None
+        self.analyses = 0
+        self.opened_by_kind: dict[str, int] = {}
+        self._sim_probe: SimTimeline | None = None
+
+    # -- wiring ------------------------------------------------------------------------------
+    def _open_probes(self) -> list[ProbeSlot]:
+        cfg = self.config
+        if self._given_probes is not None:
+            return [ProbeSlot(key, p, interval, self._ingest) for key, p, interval in self._given_probes]
+        slots = []
+        engine_urls = cfg.get("probes.engine_urls")
+        if self.sim is not None:
+            self._sim_probe = SimTimeline(self.sim, speed=self.speed, seed=self.seed)
+            slots.append(ProbeSlot("sim", self._sim_probe, self._sim_probe.interval_s, self._ingest, timeline=True))
+            from gpudiag.probes.engine_scrape import EngineScrapeProbe
+
+            for i, url in enumerate(engine_urls):
+                slots.append(ProbeSlot(f"engine{i + 1 if i else ''}", EngineScrapeProbe(url, node=self.node),
+                                       cfg.get("probes.engine_interval_s"), self._ingest))
+            self.unavailable["ebpf"] = "not used with --sim (no real CUDA processes)"
+            return slots
+        from gpudiag.commands.top import _unique_names, open_probes
+
+        probes = open_probes(None, engine_urls=engine_urls)
+        intervals = {"nvml": cfg.get("probes.nvml_interval_s"), "host": cfg.get("probes.host_interval_s"),
+                     "torch": cfg.get("probes.torch_interval_s")}
+        for key, p in zip(_unique_names(probes), probes):
+            interval = intervals.get(p.name, cfg.get("probes.engine_interval_s") if p.name == "engine" else 1.0)
+            slots.append(ProbeSlot(key, p, interval, self._ingest))
+        mode = cfg.get("probes.ebpf")
+        reason = "disabled in the config (probes.ebpf = \"off\")" if mode == "off" else ebpf_unavailable_reason()
+        if reason is None:
+            slots.append(ProbeSlot("ebpf", EbpfProbe(self.node), cfg.get("probes.ebpf_interval_s"), self._ingest))
+        else:
+            if mode == "on":
+                log.error("probes.ebpf = \"on\" but the eBPF probes cannot run: %s", reason)
+            self.unavailable["ebpf"] = reason
+        return slots
+
+    def _start_metrics_server(self, cfg: AgentConfig) -> None:
+        host, port = parse_listen(cfg.get("exporter.listen"))
+        auth = None
+        if cfg.get("exporter.basic_auth_user"):
+            auth = (cfg.get("exporter.basic_auth_user"), cfg.get("exporter.basic_auth_password_hash"))
+        self.server = serve(self.registry, host, port, tls_cert=cfg.get("exporter.tls_cert") or None,
+                            tls_key=cfg.get("exporter.tls_key") or None, basic_auth=auth,
+                            allow_non_loopback=cfg.get("exporter.allow_non_loopback"))
+        log.info("metrics on %s", self.server.url)
+
+    def _start_otlp(self, cfg: AgentConfig) -> None:
+        endpoint = cfg.get("otlp.endpoint")
+        if endpoint:
+            from gpudiag.agent.otlp import OtlpExporter
+
+            self.otlp = OtlpExporter(endpoint, self.latest, node=self.node,
+                                     interval_s=cfg.get("otlp.interval_s")).start()
+            log.info("OTLP push to %s every %g s", endpoint, cfg.get("otlp.interval_s"))
+
+    def start(self) -> Agent:
+        """Open the probes and exporters and start every thread."""
+        try:
+            if self._serve_metrics:
+                self._start_metrics_server(self.config)
+            self._start_otlp(self.config)
+            self.slots = self._open_probes()
+        except BaseException:
+            self.stop()
+            raise
+        for name, reason in self.unavailable.items():
+            log.info("probe %s unavailable: %s", name, reason)
+        for slot in self.slots:
+            slot.start()
+        log.info("agent on node %s: probes %s; store %s; analyzers every %g s over %g s", self.node,
+                 ", ".join(f"{s.key} ({s.interval_s:g} s)" for s in self.slots) or "none", self.store.path,
+                 self.config.get("analyzers.interval_s"), self.config.get("analyzers.window_s"))
+        for name, target in (("tracker", self._tracker_loop), ("flusher", self._flush_loop),
+                             ("analyzer", self._analysis_loop)):
+            th = threading.Thread(target=target, name=f"gpudiag-{name}", daemon=True)
+            th.start()
+            self._threads.append(th)
+        return self
+
+    # -- the data path -------------------------------------------------------------------------
+    def _ingest(self, slot: ProbeSlot, frames: list[Frame]) -> None:
+        """One probe tick's frames: process rows wait for the tracker's join, the rest go out now."""
+        if not frames:
+            return
+        out: list[Frame] = []
+        for fr in frames:
+            if fr.kind != "process":
+                out.append(fr)
+            elif slot.timeline:
+                # Frames on their own time base are joined at their own second, with the
+                # other probes' newest process rows.
+                others = [Frame("process", t, rows) for key, (t, rows) in self._process_rows.items()
+                          if key != slot.key]
+                out.append(self.tracker.update(fr.t, [fr] + others))
+            else:
+                self._process_rows[slot.key] = (fr.t, fr.rows)
+        self._publish(out)
+
+    def _publish(self, frames: list[Frame]) -> None:
+        if not frames:
+            return
+        newest: dict[str, Frame] = {}
+        requests = []
+        for fr in frames:
+            if fr.kind == "request":
+                requests.append(fr)
+            elif fr.kind not in newest or fr.t >= newest[fr.kind].t:
+                newest[fr.kind] = fr
+        with self._ingest_lock:
+            # LatestFrames joins several frames of one kind: it gets the newest of each.
+            self.latest.update(list(newest.values()) + requests)
+            self.store.append(frames)
+            self.window.add(frames)
+
+    def _tracker_loop(self) -> None:
+        if any(s.timeline for s in self.slots) and not any(not s.timeline for s in self.slots
+                                                          if s.key != "ebpf"):
+            return  # the timeline probe's process rows are joined as they arrive
+        interval = self.config.get("probes.tracker_interval_s")
+        while not self._stop.wait(interval):
+            stale_before = time.time() - 3 * max(s.interval_s for s in self.slots) if self.slots else 0
+            frames = [Frame("process", t, rows) for t, rows in list(self._process_rows.values()) if t >= stale_before]
+            if not frames:
+                continue
+            try:
+                joined = self.tracker.update(time.time(), frames)
+                self._publish([joined])
+            except Exception as exc:  # noqa: BLE001 - the join must not stop; say why it failed
+                log.warning("tracker join failed: %s: %s", type(exc).__name__, exc)
+
+    def _cpu_seconds(self) -> float:
+        t = self._proc.cpu_times()
+        return t.user + t.system
+
+    def self_metric_rows(self) -> list[dict[str, Any]]:
+        """The agent's own metrics as rows for LatestFrames.set_agent_rows."""
+        now, cpu = time.monotonic(), self._cpu_seconds()
+        t0, c0 = self._cpu_mark
+        if now - t0 >= 0.5:
+            self._cpu_ratio = (cpu - c0) / (now - t0)
+            self._cpu_mark = (now, cpu)
+        rows: list[dict[str, Any]] = []
+        for slot in self.slots:
+            rows += slot.metric_rows()
+        rows += [{"probe": name, M.agent_probe_available: 0} for name in self.unavailable]
+        rows += self.store.metric_rows()
+        if self.otlp is not None:
+            rows += self.otlp.metric_rows()
+        if self._cpu_ratio is not None:
+            rows.append({M.agent_cpu_utilization_ratio: self._cpu_ratio})
+        rows.append({M.agent_resident_memory_bytes: self._proc.memory_info().rss})
+        if self.analysis_seconds is not None:
+            rows.append({M.agent_analysis_seconds: self.analysis_seconds})
+        rows += [{"kind": k, M.agent_findings_opened_total: n} for k, n in sorted(self.opened_by_kind.items())]
+        if self._sim_probe is not None:
+            rows.append({M.agent_sim_seconds: self._sim_probe.sim.sim_time_s})
+        return rows
+
+    def _flush_loop(self) -> None:
+        while not self._stop.wait(FLUSH_INTERVAL_S):
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the store and refresh the self-metrics (every second; once more at stop)."""
+        try:
+            self.store.flush()
+        except Exception as exc:  # noqa: BLE001 - the store logs its own failures; this is a bug guard
+            log.error("store flush failed: %s: %s", type(exc).__name__, exc)
+        try:
+            self.latest.set_agent_rows(self.self_metric_rows())
+        except Exception as exc:  # noqa: BLE001
+            log.warning("self-metrics failed: %s: %s", type(exc).__name__, exc)
+
+    # -- streaming analysis --------------------------------------------------------------------
+    def _analysis_loop(self) -> None:
+        last_t: float | None = None
+        sim = self._sim_probe
+        if sim is not None:
+            sim.hold_after(sim.t0 + self.config.get("analyzers.interval_s") + SIM_LEAD_S)
+        while not self._stop.wait(ANALYSIS_POLL_S):
+            newest = self.window.newest_t
+            if newest is None:
+                continue
+            if last_t is None:
+                last_t = newest
+            if newest - last_t < self.config.get("analyzers.interval_s"):
+                continue
+            last_t = newest
+            try:
+                self.analyze_once()
+            except Exception as exc:  # noqa: BLE001 - an analyzer bug: log it, analyze again next time
+                log.error("streaming analysis failed: %s: %s", type(exc).__name__, exc)
+            if sim is not None:
+                sim.hold_after(newest + self.config.get("analyzers.interval_s") + SIM_LEAD_S)
+
+    def analyze_once(self) -> list[Finding]:
+        """Run every analyzer over the in-memory window once; log, store and export what changed."""
+        from gpudiag.analyzers.registry import run_all
+
+        started = time.perf_counter()
+        win = self.window.window(self.node)
+        findings = run_all(win) if win.tables else []
+        opened, updated, resolved = self.findings.reconcile(findings, win.end_s, win.start_s)
+        self.analysis_seconds = time.perf_counter() - started
+        self.analyses += 1
+        for rec in opened:
+            f = rec.finding
+            self.opened_by_kind[f.kind] = self.opened_by_kind.get(f.kind, 0) + 1
+            log.warning("finding opened: %s %s%s: %s", f.kind, f.severity.value,
+                        "" if f.gpu is None else f" gpu {f.gpu}", f.summary)
+        for rec in resolved:
+            log.info("finding resolved: %s after %.0f s of evidence", rec.id, rec.end_s - rec.start_s)
+        for rec, state in [(r, "open") for r in opened] + [(r, "updated") for r in updated] \
+                + [(r, "resolved") for r in resolved]:
+            doc = rec.document()
+            self.store.upsert_finding(doc)
+            if self.otlp is not None:
+                self.otlp.emit_finding(doc, state)
+        self.latest.set_findings(self.findings.active())
+        return findings
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def reload(self, new: AgentConfig) -> list[str]:
+        """Apply a new (validated) configuration; returns the keys that changed.
+
+        Probe intervals, analyzer interval and window, store retention and size, the
+        exporter (listen address, TLS, auth) and OTLP apply at once; ``store.path``
+        and the probe set (``probes.engine_urls``, ``probes.ebpf``) need a restart,
+        which the log says.
+        """
+        changed = self.config.diff(new)
+        if not changed:
+            return []
+        old, self.config = self.config, new
+        needs_restart = [k for k in changed if k in ("store.path", "probes.engine_urls", "probes.ebpf",
+                                                     "agent.node")]
+        for slot in self.slots:
+            key = {"nvml": "probes.nvml_interval_s", "host": "probes.host_interval_s",
+                   "torch": "probes.torch_interval_s", "ebpf": "probes.ebpf_interval_s"}.get(slot.key)
+            if slot.key.startswith("engine"):
+                key = "probes.engine_interval_s"
+            if key is not None:
+                slot.interval_s = new.get(key)
+        self.window.window_s = new.get("analyzers.window_s")
+        self.store.retention_s = float(new.get("store.retention_s"))
+        self.store.max_bytes = int(new.get("store.max_bytes"))
+        if any(k.startswith("exporter.") for k in changed) and self._serve_metrics:
+            if self.server is not None:
+                self.server.close()
+                self.server = None
+            try:
+                self._start_metrics_server(new)
+            except GpudiagError as exc:
+                log.error("new exporter settings failed (%s); serving with the previous ones again", exc)
+                self._start_metrics_server(old)
+        if any(k.startswith("otlp.") for k in changed):
+            if self.otlp is not None:
+                self.otlp.shutdown()
+                self.otlp = None
+            self._start_otlp(new)
+        log.info("config reloaded: changed %s", ", ".join(changed))
+        if needs_restart:
+            log.warning("config keys %s take effect at the next start", ", ".join(needs_restart))
+        return changed
+
+    def stop(self, timeout_s: float = 3.0) -> None:
+        """Stop probes and threads, flush the store and close everything, within about ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        self._stop.set()
+        for slot in self.slots:
+            slot.stop(timeout_s=max(0.05, min(0.5, deadline - time.monotonic())))
+        for th in self._threads:
+            th.join(max(0.05, min(1.0, deadline - time.monotonic())))
+        if self.otlp is not None:
+            # A collector that is down could hold the final push for its whole timeout.
+            done = threading.Thread(target=self.otlp.shutdown, name="gpudiag-otlp-shutdown", daemon=True)
+            done.start()
+            done.join(max(0.1, deadline - time.monotonic() - 0.5))
+        if self.server is not None:
+            self.server.close()
+        self.store.close()
+        log.info("agent stopped; store %s closed", self.store.path)
+

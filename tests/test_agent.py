@@ -1,0 +1,359 @@
+"""The per-node agent as an operator meets it: a real `gpudiag agent` process on 127.0.0.1.
+
+One agent runs the kv-eviction-storm scenario on the simulated GPU at 400x and
+is watched through its life: scraped while the storm comes and goes, joined
+by a second agent that must refuse its store, reloaded with SIGHUP (a good
+config, then a broken one), and stopped with SIGTERM. Unit tests drive the
+daemon in-process with probes that fail on purpose.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpudiag.agent.config import AgentConfig, load, parse
+from gpudiag.agent.daemon import Agent, FindingLog, SlidingWindow
+from gpudiag.agent.store import Store
+from gpudiag.catalog import M
+from gpudiag.errors import GpudiagError
+from gpudiag.findings import Finding, Severity
+from gpudiag.frames import Frame
+from gpudiag.probes.base import Probe, ProbeError
+from gpudiag.reference_engine.scenarios import STORM_LONG_PHASE
+
+STORM = "kv_eviction_storm"
+# Simulated second by which the storm is over and resolved (the long phase ends at 4500 s,
+# the analyzers' trailing windows and the resolve delay add up to about 900 s more).
+DONE_SIM_S = 5700.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int, timeout: float = 2.0) -> dict[str, list]:
+    """/metrics parsed by prometheus_client's own parser: {family name: samples}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as resp:
+        text = resp.read().decode()
+    return {fam.name: fam.samples for fam in text_string_to_metric_families(text)}
+
+
+def agent_cmd(*args) -> list[str]:
+    return [sys.executable, "-m", "gpudiag", "agent", *map(str, args)]
+
+
+def wait_for(pred, timeout_s: float, what: str, proc: subprocess.Popen | None = None):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"agent exited ({proc.returncode}) while waiting for {what}")
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class LogReader:
+    """Collects an agent's stderr lines on a thread (so the pipe never fills)."""
+
+    def __init__(self, stream):
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream):
+        for line in stream:
+            self.lines.append(line.rstrip("\n"))
+
+    def has(self, text: str) -> bool:
+        return any(text in line for line in self.lines)
+
+
+def sim_seconds(port: int) -> float:
+    try:
+        samples = scrape(port).get("gpudiag_agent_sim_seconds", [])
+    except OSError:
+        return 0.0
+    return samples[0].value if samples else 0.0
+
+
+@pytest.fixture(scope="module")
+def storm_agent(tmp_path_factory):
+    """An agent monitoring kv-eviction-storm at 400x, observed through its whole life."""
+    tmp = tmp_path_factory.mktemp("agent")
+    store = tmp / "timeline.db"
+    port, port2 = free_port(), free_port()
+    config = tmp / "agent.toml"
+    config.write_text(f'[exporter]\nlisten = "127.0.0.1:{port}"\n')
+    proc = subprocess.Popen(agent_cmd("--config", config, "--store", store, "--sim", "kv-eviction-storm",
+                                      "--speed", 400, "--seed", 0), stderr=subprocess.PIPE, text=True)
+    logs = LogReader(proc.stderr)
+    obs = {"store": store, "port": port, "logs": logs, "scrapes": []}
+    try:
+        wait_for(lambda: sim_seconds(port) > 0, 60, "the first simulated frames", proc)
+        obs["first_scrape"] = scrape(port)
+
+        # A second agent on the same store, while the first holds it.
+        second = subprocess.run(agent_cmd("--store", store, "--listen", f"127.0.0.1:{free_port()}", "--sim",
+                                          "kv-eviction-storm"), capture_output=True, text=True, timeout=60)
+        obs["second"] = second
+
+        def storm_over():
+            try:
+                fams = scrape(port)
+            except OSError:
+                return False
+            active = [s for s in fams.get("gpudiag_finding_active", []) if s.labels.get("kind") == STORM]
+            sim = fams.get("gpudiag_agent_sim_seconds", [])
+            obs["scrapes"].append((sim[0].value if sim else 0.0, bool(active)))
+            return bool(sim) and sim[0].value >= DONE_SIM_S
+
+        wait_for(storm_over, 90, f"simulated second {DONE_SIM_S:g}", proc)
+        obs["late_scrape"] = scrape(port)
+
+        # SIGHUP with a changed, valid config: the exporter moves to the new port.
+        config.write_text(f'[exporter]\nlisten = "127.0.0.1:{port2}"\n[analyzers]\ninterval_s = 20\n')
+        proc.send_signal(signal.SIGHUP)
+        obs["reloaded_scrape"] = wait_for(lambda: _try_scrape(port2), 10, "the exporter on the new port", proc)
+        obs["reload_logged"] = wait_for(lambda: logs.has("config reloaded"), 5, "the reload log line", proc)
+
+        # SIGHUP with a broken config: logged, the agent keeps running on the old one.
+        config.write_text('[exporter]\nlisten = "127.0.0.1:nope"\n')
+        proc.send_signal(signal.SIGHUP)
+        obs["refused_logged"] = wait_for(lambda: logs.has("new config refused"), 10, "the refusal log line", proc)
+        obs["after_bad_reload"] = _try_scrape(port2)
+        obs["alive_after_bad_reload"] = proc.poll() is None
+
+        proc.send_signal(signal.SIGTERM)
+        try:
+            obs["rc"] = proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            obs["rc"] = "still running 5 s after SIGTERM"
+        yield obs
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _try_scrape(port: int):
+    try:
+        return scrape(port)
+    except OSError:
+        return None
+
+
+def _sim_t0(store: Store) -> float:
+    lo, _ = store.time_range()
+    gpu = store.window(lo, lo + 10, kinds=["gpu"]).table("gpu")
+    return float((gpu["t"] - gpu["sim_t"]).iloc[0])
+
+
+def test_the_storm_finding_opens_during_the_long_phase_and_is_resolved_after_it(storm_agent):
+    with Store.open(str(storm_agent["store"]), readonly=True) as store:
+        t0 = _sim_t0(store)
+        storms = [d for d in store.findings(0, float("inf"), kinds=[STORM])]
+    a, b = STORM_LONG_PHASE
+    assert storms, "no kv_eviction_storm finding stored"
+    main = max(storms, key=lambda d: d["end_s"] - d["start_s"] if d["end_s"] else 0)
+    assert a <= main["start_s"] - t0 <= b
+    assert a <= main["opened_at_s"] - t0 <= b, "the storm was first reported outside the long phase"
+    assert main["state"] == "resolved" and main["end_s"] is not None
+    assert b - 300 <= main["end_s"] - t0 <= b + 600
+    assert main["resolved_at_s"] > main["opened_at_s"]
+    # The exporter showed it while it was open, and not once the storm was over.
+    assert any(active for _, active in storm_agent["scrapes"])
+    late = [s for s in storm_agent["late_scrape"].get("gpudiag_finding_active", []) if s.labels["kind"] == STORM]
+    assert not late
+
+
+def test_every_simulated_second_reaches_the_store_as_a_1s_sample(storm_agent):
+    with Store.open(str(storm_agent["store"]), readonly=True) as store:
+        t0 = _sim_t0(store)
+        gpu = store.window(t0 + 1000, t0 + 2000, kinds=["gpu"]).table("gpu")
+    steps = gpu["t"].diff().dropna()
+    assert len(gpu) == 1001 and (steps == 1.0).all()
+
+
+def test_metrics_parse_and_carry_gpu_process_and_self_metrics(storm_agent):
+    fams = storm_agent["first_scrape"]
+    for name in ("gpudiag_gpu_utilization_ratio", "gpudiag_process_gpu_memory_bytes",
+                 "gpudiag_process_torch_reserved_bytes", "gpudiag_agent_tick_seconds",
+                 "gpudiag_agent_resident_memory_bytes", "gpudiag_agent_probe_available"):
+        assert fams.get(name), f"{name} missing from /metrics"
+    proc_sample = fams["gpudiag_process_gpu_memory_bytes"][0]
+    assert proc_sample.labels["pid"] and proc_sample.labels["gpu"] == "0"
+    available = {s.labels["probe"]: s.value for s in fams["gpudiag_agent_probe_available"]}
+    assert available["sim"] == 1 and available["ebpf"] == 0
+
+
+def test_a_second_agent_on_the_same_store_refuses_with_a_clear_message(storm_agent):
+    second = storm_agent["second"]
+    assert second.returncode == 2
+    assert "in use by another agent" in second.stderr
+    assert "Traceback" not in second.stderr
+
+
+def test_sighup_applies_a_valid_config_and_keeps_running_on_an_invalid_one(storm_agent):
+    assert storm_agent["reloaded_scrape"] is not None
+    assert storm_agent["reload_logged"]
+    assert storm_agent["refused_logged"] and storm_agent["alive_after_bad_reload"]
+    assert storm_agent["after_bad_reload"] is not None  # still serving on the reloaded port
+    line = next(ln for ln in storm_agent["logs"].lines if "new config refused" in ln)
+    assert "exporter.listen" in line
+
+
+def test_sigterm_flushes_exits_0_and_leaves_an_intact_store(storm_agent):
+    assert storm_agent["rc"] == 0, storm_agent["logs"].lines[-5:]
+    conn = sqlite3.connect(f"file:{storm_agent['store']}?mode=ro", uri=True)
+    try:
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    finally:
+        conn.close()
+    assert not os.path.exists(str(storm_agent["store"]) + "-wal") or \
+        os.path.getsize(str(storm_agent["store"]) + "-wal") == 0
+
+
+@pytest.mark.parametrize("text, key", [
+    ('[store]\nretention_s = "a week"\n', "store.retention_s"),
+    ('[probes]\nnvml_interval_s = 0\n', "probes.nvml_interval_s"),
+    ('[exporter]\nlisten_address = "127.0.0.1:1"\n', "exporter.listen_address"),
+    ('[probes]\nebpf = "sometimes"\n', "probes.ebpf"),
+])
+def test_an_invalid_config_file_is_one_line_naming_the_key(cli, tmp_path, text, key):
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text(text)
+    proc = cli("agent", "--config", cfg, "--store", tmp_path / "s.db", "--listen", f"127.0.0.1:{free_port()}",
+               timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and key in lines[0], proc.stderr
+    assert not (tmp_path / "s.db").exists(), "a bad config must fail before the store is created"
+
+
+def test_a_config_file_overrides_defaults_and_the_command_line_overrides_it(tmp_path):
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text('[probes]\nengine_interval_s = 2\nengine_urls = ["http://127.0.0.1:8000/metrics"]\n'
+                   '[store]\nretention_s = 86400\n')
+    c = load(str(cfg)).with_overrides({"store.path": str(tmp_path / "x.db"), "exporter.listen": None})
+    assert c.get("probes.engine_interval_s") == 2.0 and c.get("probes.nvml_interval_s") == 1.0
+    assert c.get("store.retention_s") == 86400.0 and c.store_path() == str(tmp_path / "x.db")
+    assert c.get("exporter.listen") == "127.0.0.1:9400"
+    assert AgentConfig().diff(c) == ["store.path", "store.retention_s", "probes.engine_interval_s",
+                                     "probes.engine_urls"]
+
+
+def test_basic_auth_in_the_config_must_be_a_hash_never_a_password():
+    with pytest.raises(GpudiagError, match="exporter.basic_auth_password_hash"):
+        parse('[exporter]\nbasic_auth_user = "prom"\nbasic_auth_password_hash = "hunter2"\n', "a.toml")
+
+
+# --- in-process: the daemon with probes that misbehave on purpose ---------------------------
+
+
+class CountingProbe(Probe):
+    """A healthy GPU probe: one gpu row per tick."""
+
+    name = "good"
+
+    def __init__(self):
+        self.ticks = 0
+
+    def sample(self, now):
+        self.ticks += 1
+        return [Frame("gpu", now, [{"gpu": 0, "uuid": "GPU-x", M.gpu_utilization_ratio: 0.5}])]
+
+
+class FailingProbe(Probe):
+    """Raises on every tick, half the time as a whole-probe failure and half as a bug."""
+
+    name = "bad"
+
+    def __init__(self):
+        self.calls = 0
+
+    def sample(self, now):
+        self.calls += 1
+        if self.calls % 2:
+            raise ProbeError("endpoint refused the connection")
+        raise RuntimeError("a bug in the probe")
+
+
+class StuckProbe(Probe):
+    """Blocks in sample() far longer than its interval (a driver call that hangs)."""
+
+    name = "stuck"
+
+    def __init__(self):
+        self.release = threading.Event()
+
+    def sample(self, now):
+        self.release.wait(30)
+        return []
+
+
+def test_a_failing_or_stuck_probe_never_stalls_the_others(tmp_path):
+    good, bad, stuck = CountingProbe(), FailingProbe(), StuckProbe()
+    cfg = AgentConfig().with_overrides({"store.path": str(tmp_path / "s.db")})
+    agent = Agent(cfg, probes=[("good", good, 0.05), ("bad", bad, 0.05), ("stuck", stuck, 0.05)],
+                  serve_metrics=False).start()
+    try:
+        wait_for(lambda: good.ticks >= 20 and bad.calls >= 6, 30, "ticks of the healthy and failing probes")
+        agent.flush()
+        rows = agent.latest.snapshot().agent_rows
+    finally:
+        stuck.release.set()
+        agent.stop()
+    errors = {(r["probe"], r["kind"]): r[M.agent_probe_errors_total] for r in rows
+              if M.agent_probe_errors_total in r}
+    assert errors[("bad", "probe_error")] >= 3 and errors[("bad", "exception")] >= 3
+    assert ("good", "probe_error") not in errors
+    with Store.open(str(tmp_path / "s.db"), readonly=True) as store:
+        lo, hi = store.time_range()
+        assert len(store.window(lo, hi, kinds=["gpu"]).table("gpu")) >= 20
+
+
+def _finding(start, end, severity=Severity.WARNING):
+    return Finding(kind=STORM, severity=severity, start_s=start, end_s=end, summary="s", gpu=0, node="n")
+
+
+def test_a_finding_keeps_its_id_while_the_window_slides_and_resolves_when_its_evidence_ends():
+    log = FindingLog()
+    opened, _, _ = log.reconcile([_finding(1000, 1100)], 1100, 200)
+    assert len(opened) == 1
+    fid = opened[0].id
+    # The window slid past its start: the analyzer reports a later start; same finding.
+    opened, updated, resolved = log.reconcile([_finding(1050, 1400, Severity.CRITICAL)], 1400, 500)
+    assert not opened and not resolved and [r.id for r in updated] == [fid]
+    assert log.active()[0]["start_s"] == 1000 and log.active()[0]["end_s"] is None
+    # Still reported, but its evidence ended long before the window's end: resolved.
+    _, _, resolved = log.reconcile([_finding(1200, 1400)], 1800, 900)
+    assert [r.id for r in resolved] == [fid] and resolved[0].document()["end_s"] == 1400
+    # Seen again as the window slides over it: not a new finding.
+    opened, _, _ = log.reconcile([_finding(1300, 1400)], 1850, 950)
+    assert not opened and not log.active()
+
+
+def test_the_sliding_window_holds_only_its_span_and_every_sample():
+    win = SlidingWindow(300)
+    for t in range(1, 1001):
+        win.add([Frame("gpu", float(t), [{"gpu": 0, M.gpu_utilization_ratio: 0.5}])])
+        if t % 97 == 0:
+            win.window()
+    w = win.window()
+    g = w.table("gpu")
+    assert g["t"].min() == 701 and g["t"].max() == 1000 and len(g) == 300
