@@ -1,0 +1,463 @@
+"""Investigation of one window: findings, the memory of the implicated processes, next steps and gaps.
+
+``gpudiag investigate`` reads a window from the store, runs every analyzer
+over it (:func:`gpudiag.analyzers.registry.run_all`, the same code the agent
+streams) and turns window and findings into one document (schema in the
+README, "gpudiag investigate --json"). Everything here is pure except
+:func:`load_store_window` (reads the store) and :func:`write_html` (writes
+the report); the time arguments are parsed by :func:`parse_time` and
+:func:`parse_duration`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from gpudiag.catalog import M
+from gpudiag.errors import GpudiagError
+from gpudiag.findings import Finding, Severity, worst_severity
+from gpudiag.frames import Window
+
+DEFAULT_SINCE_S = 1800.0
+# Charts bin per minute: the TPOT P99 of a minute of finished requests is what an SLO dashboard shows.
+CHART_BIN_S = 60.0
+# Memory traces are thinned to at most this many points each, so a 24 h window stays a few MB of HTML.
+MAX_CHART_POINTS = 2000
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)\s*$", re.IGNORECASE)
+_DURATION_UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(text: str) -> float:
+    """'90s', '30m', '2h', '1d' -> seconds; GpudiagError for anything else or zero."""
+    m = _DURATION.match(text or "")
+    if not m:
+        raise GpudiagError(f"malformed duration {text!r}: use a number with s, m, h or d (90s, 30m, 2h)")
+    seconds = float(m.group(1)) * _DURATION_UNIT_S[m.group(2).lower()]
+    if seconds <= 0:
+        raise GpudiagError(f"duration {text!r} must be positive")
+    return seconds
+
+
+def parse_time(text: str, option: str) -> float:
+    """Unix seconds or ISO-8601 (an ISO time without offset is local time) -> Unix seconds."""
+    s = (text or "").strip()
+    try:
+        value = float(s)
+    except ValueError:
+        try:
+            dt = datetime.fromisoformat(s)
+        except ValueError:
+            raise GpudiagError(f"malformed time for {option}: {text!r}; use ISO-8601 "
+                               f"(2024-05-01T03:00:00Z) or Unix seconds") from None
+        return dt.timestamp()
+    if not math.isfinite(value) or value < 0:
+        raise GpudiagError(f"malformed time for {option}: {text!r}; Unix seconds must be a non-negative number")
+    return value
+
+
+def resolve_window(time_range: tuple[float, float], *, since: str | None, start: str | None, end: str | None,
+                   now_s: float | None = None) -> tuple[float, float]:
+    """The [start, end] to read from a store whose samples span ``time_range``.
+
+    ``--since`` counts back from the store's latest sample (with a running
+    agent that is about now; a store written earlier, or by ``--sim`` on its
+    simulated time base, has its own end). ``--from`` without ``--to`` runs to
+    the latest sample. A window after both now and the latest sample is in the
+    future; one that misses the store's data holds nothing to investigate.
+    """
+    now_s = time.time() if now_s is None else now_s
+    first, last = time_range
+    if since is not None and (start is not None or end is not None):
+        raise GpudiagError("give either --since or --from/--to, not both")
+    if end is not None and start is None:
+        raise GpudiagError("--to needs --from (or use --since)")
+    if start is None:
+        span = parse_duration(since) if since is not None else DEFAULT_SINCE_S
+        return max(first, last - span), last
+    lo = parse_time(start, "--from")
+    hi = parse_time(end, "--to") if end is not None else max(last, lo)
+    if lo > max(now_s, last):
+        raise GpudiagError(f"the window starts at {_iso(lo)}, in the future (now {_iso(now_s)}; "
+                           f"the store's data ends at {_iso(last)})")
+    if lo >= hi:
+        raise GpudiagError(f"--from ({_iso(lo)}) must be before --to ({_iso(hi)})")
+    if lo > last or hi < first:
+        raise GpudiagError(f"no data between {_iso(lo)} and {_iso(hi)}: the store holds "
+                           f"{_iso(first)} to {_iso(last)}")
+    return lo, hi
+
+
+def _iso(t: float) -> str:
+    """Unix seconds as UTC ISO-8601; small values (a simulated time base from 0) as seconds."""
+    if t < 1e9:
+        return f"{t:.0f} s"
+    return datetime.fromtimestamp(t, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def load_store_window(path: str, *, since: str | None, start: str | None, end: str | None,
+                      node: str | None, gpu: int | None) -> Window:
+    """Open the store read-only and read the window the time options name (GpudiagError on bad input)."""
+    from gpudiag.agent.store import Store
+
+    with Store.open(path, readonly=True) as store:
+        time_range = store.time_range()
+        if time_range is None:
+            raise GpudiagError(f"store {path} holds no samples yet: is the agent writing to it?")
+        lo, hi = resolve_window(time_range, since=since, start=start, end=end)
+        window = store.window(lo, hi, node=node)
+        if node is not None and not any(not df.empty for df in window.tables.values()):
+            everyone = store.window(lo, hi, kinds=["gpu", "node"])
+            nodes = sorted({str(n) for df in everyone.tables.values() if "node" in df for n in df["node"].dropna()})
+            raise GpudiagError(f"no node {node!r} in store {path} in this window; nodes there: "
+                               f"{', '.join(nodes) or 'none'}")
+    window.start_s, window.end_s = lo, hi
+    window.node = node if node is not None else window.node
+    window.sources = [f"store:{path}"]
+    if gpu is not None:
+        window = only_gpu(window, gpu)
+    return window
+
+
+def only_gpu(window: Window, gpu: int) -> Window:
+    """The window's rows of one GPU (rows without a GPU label, the node's, are kept); GpudiagError when absent."""
+    tables = {}
+    for kind, df in window.tables.items():
+        tables[kind] = df[df["gpu"] == gpu].reset_index(drop=True) if "gpu" in df else df
+    if not any("gpu" in df and not df.empty for df in tables.values()):
+        seen = sorted({int(g) for df in window.tables.values() if "gpu" in df for g in df["gpu"].dropna()})
+        raise GpudiagError(f"no GPU {gpu} in this window; GPUs there: {', '.join(map(str, seen)) or 'none'}")
+    return Window(tables, window.start_s, window.end_s, window.node, list(window.sources), list(window.gaps))
+
+
+@dataclass(frozen=True)
+class Check:
+    """One view of the GPU an analyzer needs: a frame kind (and column), why it may be missing, who needs it."""
+
+    name: str
+    kind: str
+    column: str | None
+    why_missing: str
+    analyzers: tuple[str, ...]
+
+
+CHECKS = (
+    Check("driver view (NVML)", "gpu", M.gpu_utilization_ratio,
+          "no GPU rows: NVML is unavailable (no NVIDIA driver or GPU) and no --sim engine ran",
+          ("throttling", "hardware_errors", "cpu_starved_gpu", "oom_forecast")),
+    Check("per-process driver memory (black)", "process", M.process_gpu_memory_bytes,
+          "NVML listed no process memory (not available under MIG without privileges, or no processes)",
+          ("memory_leak", "gpu_cotenant")),
+    Check("caching allocator (white, grey)", "process", M.process_torch_reserved_bytes,
+          "no torch reporter: call gpudiag.instrument() in the process, or run an engine that reports "
+          "its allocator", ("memory_fragmentation", "oom_forecast", "memory_leak")),
+    Check("serving engine", "engine", M.engine_kv_capacity_bytes,
+          "no engine metrics: no vLLM or reference engine endpoint was scraped",
+          ("kv_eviction_storm", "gpu_cotenant", "latency_regression")),
+    Check("finished requests (TTFT, TPOT)", "request", M.inter_token_latency_seconds,
+          "the engine reported no per-request latencies", ("latency_regression",)),
+    Check("CUDA API (eBPF)", "cuda_api", None,
+          "no eBPF data: the CUDA API probe needs root (or CAP_BPF+CAP_PERFMON) and bcc, and is not used "
+          "with --sim", ("degenerate_kernel_launch", "cpu_starved_gpu")),
+    Check("host CPU", "node", M.node_cpu_utilization_ratio, "no host rows: the procfs probe did not run",
+          ("cpu_starved_gpu",)),
+)
+
+
+def gaps(window: Window) -> list[dict[str, Any]]:
+    """What could not be checked in this window: each missing view, why, and the analyzers it blinds."""
+    out = [{"check": c.name, "kind": c.kind, "column": c.column, "reason": c.why_missing,
+            "analyzers": list(c.analyzers)}
+           for c in CHECKS if not window.has(c.kind, c.column)]
+    out.extend({"check": "source", "kind": None, "column": None, "reason": g, "analyzers": []} for g in window.gaps)
+    return out
+
+
+def _num(v) -> float | None:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(f) else f
+
+
+def implicated(findings: list[Finding], proc: pd.DataFrame) -> set[tuple]:
+    """(node, gpu, pid) of the processes the findings name; a finding without a pid names its GPU's processes."""
+    keys = set()
+    if proc.empty or "pid" not in proc:
+        return keys
+    entities = proc[[c for c in ("node", "gpu", "pid") if c in proc]].drop_duplicates()
+    for row in entities.itertuples(index=False):
+        r = row._asdict()
+        for f in findings:
+            if f.gpu is not None and r.get("gpu") != f.gpu:
+                continue
+            if f.node is not None and r.get("node") not in (None, f.node):
+                continue
+            if f.pid is None or f.pid == r.get("pid"):
+                keys.add((r.get("node"), r.get("gpu"), r.get("pid")))
+    return keys
+
+
+def memory(window: Window, findings: list[Finding]) -> list[dict[str, Any]]:
+    """The latest three colours of every process in the window, its gaps, and whether a finding implicates it."""
+    from gpudiag.agent.tracker import BLACK, GREY, LAYER_COLUMNS, NO_REPORTER, NVML_NOT_LISTED, WHITE
+
+    proc = window.table("process")
+    if proc.empty or "pid" not in proc:
+        return []
+    named = implicated(findings, proc)
+    labels = [c for c in ("node", "gpu", "pid") if c in proc]
+    out = []
+    for key, rows in proc.groupby(labels, sort=True, dropna=False):
+        key = key if isinstance(key, tuple) else (key,)
+        ent = dict(zip(labels, key))
+        last = rows.iloc[-1]
+        layers = {}
+        missing = {}
+        for layer, col in LAYER_COLUMNS.items():
+            have = rows[col].dropna() if col in rows else pd.Series(dtype=float)
+            layers[layer] = _num(have.iloc[-1]) if not have.empty else None
+            if layers[layer] is None:
+                missing[layer] = NVML_NOT_LISTED if layer == BLACK else NO_REPORTER
+        w, g, b = layers[WHITE], layers[GREY], layers[BLACK]
+        out.append({
+            "node": ent.get("node"), "gpu": ent.get("gpu"), "pid": ent.get("pid"),
+            "process": last.get("process"),
+            "t": _num(last["t"]),
+            "white_bytes": w, "grey_bytes": g, "black_bytes": b,
+            "grey_minus_white_bytes": None if w is None or g is None else g - w,
+            "black_minus_grey_bytes": None if g is None or b is None else b - g,
+            "largest_free_block_bytes": _num(last.get(M.process_torch_largest_free_block_bytes)),
+            "implicated": (ent.get("node"), ent.get("gpu"), ent.get("pid")) in named,
+            "missing": missing,
+        })
+    return out
+
+
+def next_steps(findings: list[Finding]) -> list[dict[str, Any]]:
+    """Per runbook the findings point at: the runbook command and the repro commands that check a fix."""
+    from gpudiag.reference_engine.scenarios import SCENARIOS
+
+    out: dict[str, dict[str, Any]] = {}
+    for f in findings:
+        if not f.runbook:
+            continue
+        step = out.setdefault(f.runbook, {"runbook": f.runbook, "command": f"gpudiag runbook {f.runbook}",
+                                          "findings": [], "repro": []})
+        step["findings"].append(f.id)
+        for sc in SCENARIOS.values():
+            if f.kind not in sc.expected_findings:
+                continue
+            for fix in f.fixes:
+                cmd = f"gpudiag repro {sc.name} --fix {fix}"
+                if fix in sc.fixes and cmd not in step["repro"]:
+                    step["repro"].append(cmd)
+    return list(out.values())
+
+
+def exit_code(findings: list[Finding]) -> int:
+    """1 when a finding is of warning level or above, else 0."""
+    worst = worst_severity(findings)
+    return 1 if worst is not None and worst.rank >= Severity.WARNING.rank else 0
+
+
+def document(window: Window, findings: list[Finding]) -> dict[str, Any]:
+    """The investigation document (``--json``; schema in the README)."""
+    from gpudiag.repro import _deep_clean
+
+    worst = worst_severity(findings)
+    doc = {
+        "window": {"start_s": window.start_s, "end_s": window.end_s, "node": window.node},
+        "sources": list(window.sources),
+        "gaps": gaps(window),
+        "worst_severity": None if worst is None else worst.value,
+        "findings": [f.to_dict() for f in findings],
+        "memory": memory(window, findings),
+        "next_steps": next_steps(findings),
+    }
+    doc = _deep_clean(doc)
+    # Finding.to_dict rounds to display precision; keep the window's edges exact for scripts that re-query.
+    doc["window"]["start_s"], doc["window"]["end_s"] = float(window.start_s), float(window.end_s)
+    return doc
+
+
+# --- HTML report ----------------------------------------------------------------------
+
+CHART_TITLES = (
+    "Three-colour memory per process",
+    "GPU utilization vs TPOT P99",
+    "KV evictions and allocation failures",
+    "Largest free block vs failed request size",
+)
+
+
+def _x(t: np.ndarray):
+    """Chart x values: datetimes for Unix times, seconds for a simulated time base."""
+    t = np.asarray(t, dtype=float)
+    if t.size and np.nanmin(t) >= 1e9:
+        return pd.to_datetime(t, unit="s", utc=True)
+    return t
+
+
+def _thin(df: pd.DataFrame) -> pd.DataFrame:
+    step = max(1, math.ceil(len(df) / MAX_CHART_POINTS))
+    return df.iloc[::step]
+
+
+def _memory_figure(window: Window):
+    import plotly.graph_objects as go
+
+    from gpudiag.agent.tracker import LAYER_COLUMNS
+
+    fig = go.Figure()
+    proc = window.table("process")
+    if not proc.empty and "pid" in proc:
+        w_col, g_col, b_col = LAYER_COLUMNS["white"], LAYER_COLUMNS["grey"], LAYER_COLUMNS["black"]
+        for (gpu, pid), rows in proc.groupby(["gpu", "pid"], sort=True):
+            rows = _thin(rows)
+            name = f"gpu {gpu} pid {pid} {rows['process'].iloc[-1] if 'process' in rows else ''}".strip()
+            white = rows[w_col] if w_col in rows else None
+            grey = rows[g_col] if g_col in rows else None
+            black = rows[b_col] if b_col in rows else None
+            layers = []
+            if white is not None:
+                layers.append(("white: allocated", white, "rgba(230,230,230,0.9)"))
+            if grey is not None:
+                layers.append(("grey: reserved - allocated", grey - (white if white is not None else 0),
+                               "rgba(150,150,150,0.9)"))
+            if black is not None:
+                base = grey if grey is not None else 0
+                layers.append(("black: driver - reserved", black - base, "rgba(40,40,40,0.9)"))
+            for label, y, colour in layers:
+                fig.add_trace(go.Scatter(x=_x(rows["t"]), y=y, name=f"{name} {label}", stackgroup=f"{gpu}-{pid}",
+                                         mode="lines", line={"width": 0.5, "color": colour}, fillcolor=colour))
+    fig.update_layout(title=CHART_TITLES[0], yaxis_title="bytes")
+    return fig
+
+
+def per_minute_tpot_p99(requests: pd.DataFrame) -> pd.DataFrame:
+    """TPOT P99 of the requests that finished in each minute: columns ``t`` (bin start) and ``tpot_p99_s``."""
+    col = M.inter_token_latency_seconds
+    if requests.empty or col not in requests:
+        return pd.DataFrame({"t": [], "tpot_p99_s": []})
+    r = requests[["t", col]].dropna()
+    bins = (r["t"] // CHART_BIN_S) * CHART_BIN_S
+    p99 = r.groupby(bins)[col].quantile(0.99)
+    return pd.DataFrame({"t": p99.index.to_numpy(float), "tpot_p99_s": p99.to_numpy(float)})
+
+
+def _util_figure(window: Window):
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    gpu = window.table("gpu")
+    if not gpu.empty and M.gpu_utilization_ratio in gpu:
+        for g, rows in gpu.groupby("gpu", sort=True):
+            bins = (rows["t"] // CHART_BIN_S) * CHART_BIN_S
+            util = rows.groupby(bins)[M.gpu_utilization_ratio].mean()
+            fig.add_trace(go.Scatter(x=_x(util.index.to_numpy(float)), y=util.to_numpy(float),
+                                     name=f"gpu {g} utilization (minute mean)", mode="lines"))
+    tpot = per_minute_tpot_p99(window.table("request"))
+    if not tpot.empty:
+        fig.add_trace(go.Scatter(x=_x(tpot["t"].to_numpy()), y=tpot["tpot_p99_s"], name="TPOT P99 (per minute)",
+                                 mode="lines+markers", yaxis="y2"))
+    fig.update_layout(title=CHART_TITLES[1], yaxis={"title": "utilization (ratio)", "range": [0, 1]},
+                      yaxis2={"title": "TPOT P99 (s)", "overlaying": "y", "side": "right"})
+    return fig
+
+
+def _counter_per_minute(eng: pd.DataFrame, col: str) -> pd.Series:
+    """Per-minute increase of a cumulative counter, summed over engines (a reset counts from zero)."""
+    labels = [c for c in ("gpu", "engine") if c in eng]
+    groups = (rows for _, rows in eng.groupby(labels, sort=True)) if labels else [eng]
+    parts = []
+    for rows in groups:
+        v = rows[col].astype(float)
+        inc = v.diff().fillna(0.0)
+        inc[inc < 0] = v[inc < 0]
+        parts.append(inc.groupby((rows["t"] // CHART_BIN_S) * CHART_BIN_S).sum())
+    return pd.concat(parts).groupby(level=0).sum() if parts else pd.Series(dtype=float)
+
+
+def _events_figure(window: Window):
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    eng = window.table("engine")
+    for col, label in ((M.engine_kv_evictions_total, "KV evictions per minute"),
+                       (M.engine_kv_alloc_failures_total, "KV allocation failures per minute")):
+        if not eng.empty and col in eng:
+            s = _counter_per_minute(eng, col)
+            fig.add_trace(go.Bar(x=_x(s.index.to_numpy(float)), y=s.to_numpy(float), name=label))
+    fig.update_layout(title=CHART_TITLES[2], barmode="group", yaxis_title="events per minute")
+    return fig
+
+
+def _blocks_figure(window: Window):
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    proc, eng = window.table("process"), window.table("engine")
+    col = M.process_torch_largest_free_block_bytes
+    if not proc.empty and col in proc:
+        for (gpu, pid), rows in proc.groupby(["gpu", "pid"], sort=True):
+            rows = _thin(rows.dropna(subset=[col]))
+            if not rows.empty:
+                fig.add_trace(go.Scatter(x=_x(rows["t"]), y=rows[col], mode="lines",
+                                         name=f"gpu {gpu} pid {pid} largest free block"))
+    col = M.engine_kv_failed_request_bytes
+    if not eng.empty and col in eng:
+        failed = eng[eng[col].fillna(0) > 0]
+        fig.add_trace(go.Scatter(x=_x(failed["t"]), y=failed[col], mode="markers", name="failed KV request size",
+                                 marker={"color": "red", "symbol": "x"}))
+    fig.update_layout(title=CHART_TITLES[3], yaxis_title="bytes")
+    return fig
+
+
+def _shade_findings(fig, findings: list[Finding]) -> None:
+    colours = {"critical": "rgba(220,0,0,0.08)", "warning": "rgba(240,160,0,0.08)", "info": "rgba(0,120,220,0.05)"}
+    for f in findings:
+        x0, x1 = _x(np.array([f.start_s, f.end_s]))
+        fig.add_vrect(x0=x0, x1=x1, fillcolor=colours[f.severity.value], line_width=0)
+
+
+def html_report(window: Window, findings: list[Finding]) -> str:
+    """One self-contained HTML page: the four charts (plotly embedded once, no CDN) and the findings."""
+    import html as H
+
+    figures = [_memory_figure(window), _util_figure(window), _events_figure(window), _blocks_figure(window)]
+    parts = []
+    for i, fig in enumerate(figures):
+        _shade_findings(fig, findings)
+        fig.update_layout(height=420, margin={"l": 60, "r": 60, "t": 50, "b": 40}, legend={"font": {"size": 10}})
+        parts.append(fig.to_html(full_html=False, include_plotlyjs=(i == 0), div_id=f"chart-{i}"))
+    rows = "".join(
+        f"<tr><td>{H.escape(f.severity.value)}</td><td>{H.escape(f.kind)}</td><td>{H.escape(_iso(f.start_s))}</td>"
+        f"<td>{H.escape(_iso(f.end_s))}</td><td>{H.escape(f.summary)}</td>"
+        f"<td>{H.escape(', '.join(f.caused_by))}</td></tr>" for f in findings) \
+        or "<tr><td colspan=6>no findings</td></tr>"
+    title = f"gpudiag investigate {_iso(window.start_s)} to {_iso(window.end_s)}"
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{H.escape(title)}</title>"
+            "<style>body{font-family:sans-serif;margin:1em}td,th{padding:2px 8px;text-align:left}</style>"
+            f"</head><body><h1>{H.escape(title)}</h1><table><tr><th>severity</th><th>kind</th><th>start</th>"
+            f"<th>end</th><th>summary</th><th>caused by</th></tr>{rows}</table>"
+            + "".join(parts) + "</body></html>")
+
+
+def write_html(path: str, window: Window, findings: list[Finding]) -> None:
+    """Write :func:`html_report` to ``path`` (GpudiagError when it cannot be written)."""
+    try:
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(html_report(window, findings))
+    except OSError as exc:
+        raise GpudiagError(f"cannot write the HTML report to {path}: {exc.strerror}") from None
+
