@@ -299,7 +299,7 @@ def memory(runbook_base_url: str = DEFAULT_RUNBOOK_BASE_URL) -> dict:
              target(sel(M.process_torch_inactive_split_bytes), "{{process}} gpu{{gpu}} inactive split")])
     headroom = (f"(max {_by('node', 'gpu', 'uuid')} ({sel(M.gpu_memory_total_bytes)}) - "
                 f"max {_by('node', 'gpu', 'uuid')} ({sel(M.gpu_memory_used_bytes)}))")
-    on_gpu = "on (node, gpu, uuid) group_right"
+    on_gpu = "on (node, gpu, uuid) group_right ()"  # "group_right (x)" would parse x as labels
     b.panel("Time to OOM (forecast)",
             "Device headroom (total - used) divided by the process's growth: the grey layer's slope where an "
             "in-process reporter gives it, the black layer's otherwise. Empty while nothing grows. "
