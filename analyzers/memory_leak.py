@@ -150,11 +150,11 @@ def _leaking_layer(t, white, grey, black, load_flat):
             return ALLOCATED, g, M.process_torch_allocated_growth_bytes_per_second
     if white is not None and grey is not None:
         g = rising_slope(t, grey - white)
-        if g is not None and rising_slope(t, grey) is not None and _flat(t, white, g):
+        if g is not None and load_flat and rising_slope(t, grey) is not None and _flat(t, white, g):
             return POOL, g, M.process_reserved_minus_allocated_bytes
     if grey is not None and black is not None:
         g = rising_slope(t, black - grey)
-        if g is not None and rising_slope(t, black) is not None and _flat(t, grey, g):
+        if g is not None and load_flat and rising_slope(t, black) is not None and _flat(t, grey, g):
             return DRIVER, g, M.process_driver_minus_reserved_bytes
     if white is None and grey is None and black is not None:
         g = rising_slope(t, black)
