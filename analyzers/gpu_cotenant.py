@@ -7,7 +7,7 @@ Definitions (per GPU, over 1 s samples):
 - a co-tenant: any other pid on that GPU whose driver-charged memory
   (NVML per-process used memory) is at least COTENANT_MIN_RATIO of the
   device (a monitoring agent's CUDA context is not one);
-- nominal KV capacity: ``kv_capacity_nominal_bytes`` of the engine row when
+- nominal KV capacity: ``engine_kv_capacity_nominal_bytes`` of the engine row when
   the deployment states it, else the larger of the highest
   engine_kv_capacity_bytes of the window and the capacity plus the
   co-tenants' memory (an engine sizes its KV pool from the free memory it
@@ -32,7 +32,7 @@ from .common import episodes, label_int, per_entity, subset
 
 KIND = "gpu_cotenant"
 
-NOMINAL_KV_KEY = "kv_capacity_nominal_bytes"
+NOMINAL_KV_KEY = M.engine_kv_capacity_nominal_bytes
 # A twentieth of the device: more than a CUDA context plus library
 # workspaces (a few hundred MiB), less than any real workload.
 COTENANT_MIN_RATIO = 0.05

@@ -142,6 +142,8 @@ METRICS: tuple[Metric, ...] = (
     _m("engine_kv_failed_request_bytes", GAUGE, "bytes",
        "Largest KV allocation that failed in the last interval (0 when none failed).", _E, "engine"),
     _m("engine_kv_capacity_bytes", GAUGE, "bytes", "KV capacity the engine can use.", _E, "engine"),
+    _m("engine_kv_capacity_nominal_bytes", GAUGE, "bytes",
+       "KV capacity the engine would have on the device alone (no other process holding memory).", _E, "engine"),
     _m("engine_kv_used_bytes", GAUGE, "bytes", "KV bytes holding tokens.", _E, "engine"),
     _m("engine_kv_reserved_bytes", GAUGE, "bytes", "KV bytes allocated to requests (used plus internal slack).",
        _E, "engine"),

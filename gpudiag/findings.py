@@ -73,10 +73,6 @@ class Finding:
         pid = "" if self.pid is None else f"-p{self.pid}"
         return f"{self.kind}-gpu{gpu}{pid}-{int(self.start_s)}"
 
-    def overlaps(self, other: "Finding", slack_s: float = 0.0) -> bool:
-        """True when the two time spans overlap (allowing ``slack_s`` of gap)."""
-        return self.start_s <= other.end_s + slack_s and other.start_s <= self.end_s + slack_s
-
     def to_dict(self) -> dict[str, Any]:
         """The JSON form documented in the README (the finding schema)."""
         d = {

@@ -65,11 +65,6 @@ class Window:
             return True
         return column in df.columns and bool(df[column].notna().any())
 
-    def slice(self, start_s: float, end_s: float) -> "Window":
-        """The part of the window in [start_s, end_s)."""
-        tables = {k: df[(df["t"] >= start_s) & (df["t"] < end_s)] for k, df in self.tables.items()}
-        return Window(tables, start_s, end_s, self.node, list(self.sources), list(self.gaps))
-
     @classmethod
     def from_frames(cls, frames: Iterable[Frame], *, node: str | None = None,
                     sources: list[str] | None = None, gaps: list[str] | None = None) -> "Window":

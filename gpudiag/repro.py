@@ -14,11 +14,11 @@ from typing import Any, Callable
 import numpy as np
 import pandas as pd
 
+from gpudiag.analyzers.common import counter_increase
 from gpudiag.analyzers.registry import run_all
 from gpudiag.catalog import M
 from gpudiag.findings import Finding, _clean
 from gpudiag.frames import Window
-from gpudiag.reference_engine import scenarios
 from gpudiag.reference_engine.engine import SimEngine
 from gpudiag.reference_engine.scenarios import Scenario
 
@@ -74,8 +74,7 @@ def slo(requests: pd.DataFrame) -> dict[str, float | None]:
 def _delta(df: pd.DataFrame, col: str) -> int:
     if df.empty or col not in df:
         return 0
-    v = df[col].to_numpy(float)
-    return int(v.max() - v.min()) if v.size else 0
+    return int(counter_increase(df[col].to_numpy(float)))
 
 
 def phase_stats(res: RunResult) -> list[dict[str, Any]]:
@@ -160,7 +159,3 @@ def _deep_clean(v):
         return [_deep_clean(x) for x in v]
     return _clean(v)
 
-
-def scenario_or_error(name: str) -> Scenario:
-    """The named scenario, or GpudiagError naming the valid ones."""
-    return scenarios.get(name)

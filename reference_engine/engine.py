@@ -94,6 +94,7 @@ class SimEngine:
                           max_split_size_bytes=cfg.max_split_size_mb * MIB if cfg.max_split_size_mb else None,
                           expandable_segments=cfg.expandable_segments,
                           other_tenant_bytes=cfg.other_tenant_bytes)
+        self._kv_nominal_bytes = self.gpu.kv_nominal_bytes  # before the KV pool takes its share
         self.kv = make_kv_manager(cfg.kv, self.gpu.allocator, model.kv_bytes_per_token, self.gpu.kv_capacity_bytes)
         self.sched = Scheduler(cfg.scheduler, self.kv)
         self.finished: list[Sequence] = []
@@ -275,6 +276,7 @@ class SimEngine:
             M.engine_kv_alloc_failures_total: st.alloc_failures,
             M.engine_kv_failed_request_bytes: failed,
             M.engine_kv_capacity_bytes: self.kv.capacity_bytes,
+            M.engine_kv_capacity_nominal_bytes: self._kv_nominal_bytes,
             M.engine_kv_used_bytes: self.kv.used_bytes,
             M.engine_kv_reserved_bytes: self.kv.reserved_bytes,
             M.engine_requests_finished_total: len(self.finished),

@@ -166,9 +166,6 @@ class BusyTimeline:
             t = end
             s += 1
 
-    def add_host(self, t0: float, t1: float) -> None:
-        self.add(t0, t1, 0.0)
-
     def second(self, s: int) -> tuple[float, float]:
         """(GPU-busy, host-busy) seconds within second ``s``."""
         if s < len(self.gpu):
@@ -225,6 +222,11 @@ class SimGPU:
         engine_limit = self.memory.limits[self.ENGINE]
         return max(0, min(engine_limit - self.memory.used_bytes(self.ENGINE),
                           self.memory.free_bytes()))
+
+    @property
+    def kv_nominal_bytes(self) -> int:
+        """KV capacity on this device with no other tenant: the engine's cap less its own holdings."""
+        return max(0, self.memory.limits[self.ENGINE] - self.memory.used_bytes(self.ENGINE))
 
     def driver_bytes(self) -> int:
         """Black: what the driver charges the engine process (segments plus context)."""

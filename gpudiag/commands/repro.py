@@ -40,7 +40,7 @@ def repro(
         return _list(out, as_json)
     if scenario is None:
         raise GpudiagError(f"name a scenario; valid: {', '.join(scenarios.SCENARIOS)} (or use --list)")
-    sc = R.scenario_or_error(scenario)
+    sc = scenarios.get(scenario)
     if fix is not None and fix not in sc.fixes:
         raise GpudiagError(f"unknown fix {fix!r} for {sc.name}; valid: {', '.join(sc.fixes)}")
 
