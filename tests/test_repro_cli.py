@@ -45,6 +45,7 @@ def test_list_names_every_scenario_and_fix(cli):
 
 
 @pytest.mark.parametrize("args,needle", [
+    (["repro"], "name a scenario; valid: kv-eviction-storm"),
     (["repro", "no-such-scenario"], "valid: kv-eviction-storm"),
     (["repro", "kv-eviction-storm", "--fix", "magic"], "valid: paged-kv"),
     (["repro", "kv-eviction-storm", "--qps", "-3"], "QPS must be a positive number"),
