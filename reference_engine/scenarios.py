@@ -126,6 +126,17 @@ SCENARIOS: dict[str, Scenario] = {
 }
 
 
+def _register_families() -> None:
+    # Each family of incidents keeps its parameters in its own module; all of them register here.
+    from gpudiag.reference_engine import scenarios_host, scenarios_memory, scenarios_serving
+
+    for family in (scenarios_memory, scenarios_serving, scenarios_host):
+        SCENARIOS.update(family.SCENARIOS)
+
+
+_register_families()
+
+
 def get(name: str) -> Scenario:
     """A scenario by name; GpudiagError naming the valid ones otherwise."""
     try:
