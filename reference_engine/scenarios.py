@@ -24,11 +24,18 @@ MIB = 1024**2
 
 @dataclass(frozen=True)
 class Fix:
-    """A named change to the engine configuration."""
+    """A named change to the engine configuration.
+
+    ``removes``: the finding kinds the fix takes away; None means all of the
+    scenario's expected findings. A mitigation that moves the harm instead of
+    removing its cause (eviction tiers) names none, and its scenario's tests
+    say what it protects.
+    """
 
     name: str
     summary: str
     apply: Callable[[EngineConfig], None]
+    removes: tuple[str, ...] | None = None
 
 
 @dataclass
@@ -108,7 +115,9 @@ STORM_FIXES = {
     "paged-kv": Fix("paged-kv", "vLLM-style paged KV: 16-token blocks from one pool, block tables", _paged),
     "chunked-kv": Fix("chunked-kv", "fixed 256 MB chunks appended, no contiguity", _chunked),
     "priority-eviction": Fix("priority-eviction",
-                             "evict the lowest tier first; never a running request of a higher tier", _priority),
+                             "evict the lowest tier first; never a running request of a higher tier "
+                             "(a mitigation: fragmentation remains, evictions move to the batch tier)",
+                             _priority, removes=()),
     "memory-aware-batching": Fix("memory-aware-batching",
                                  "admit by estimated KV footprint; keep long sequences apart", _memory_aware),
 }

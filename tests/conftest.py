@@ -50,3 +50,23 @@ def cli():
                               text=True, timeout=timeout, env=env, input=input)
 
     return run
+
+
+@pytest.fixture(scope="session")
+def scenario_run():
+    """``scenario_run(name, fix=None, seed=0)``: a finished ``gpudiag.repro`` run, computed once per session.
+
+    The scenario tests and the scenario matrix look at the same runs; each runs once.
+    """
+    from gpudiag import repro
+    from gpudiag.reference_engine import scenarios
+
+    cache: dict[tuple[str, str | None, int], object] = {}
+
+    def run(name: str, fix: str | None = None, seed: int = 0):
+        key = (name, fix, seed)
+        if key not in cache:
+            cache[key] = repro.run(scenarios.get(name), fix, seed)
+        return cache[key]
+
+    return run

@@ -7,16 +7,14 @@ from gpudiag.reference_engine import scenarios
 
 
 @pytest.fixture(scope="module")
-def storm():
-    sc = scenarios.get("kv-eviction-storm")
-    res = repro.run(sc, None, seed=0)
+def storm(scenario_run):
+    res = scenario_run("kv-eviction-storm")
     return res, repro.document(res)
 
 
 @pytest.fixture(scope="module")
-def paged():
-    sc = scenarios.get("kv-eviction-storm")
-    res = repro.run(sc, "paged-kv", seed=0)
+def paged(scenario_run):
+    res = scenario_run("kv-eviction-storm", "paged-kv")
     return res, repro.document(res)
 
 
@@ -125,3 +123,19 @@ def test_the_kv_managers_store_exactly_the_tokens_the_sequences_hold():
         for _ in eng.frames():
             running = eng.sched.running
             assert eng.kv.live_tokens == sum(s.num_tokens for s in running), fix
+
+
+def test_priority_tiers_move_the_evictions_onto_the_batch_tier(storm, scenario_run):
+    """SCENARIOS.md §1 fix 2 is a mitigation: fragmentation stays, but paying traffic is no longer evicted."""
+    def preempted_by_tier(res):
+        req = res.window.table("request")
+        long_phase = req[(req["arrival_s"] >= scenarios.STORM_LONG_PHASE[0])
+                         & (req["arrival_s"] < scenarios.STORM_LONG_PHASE[1])]
+        return {tier: int((g["preemptions"] > 0).sum()) for tier, g in long_phase.groupby("tier")}
+
+    before = preempted_by_tier(storm[0])
+    after = preempted_by_tier(scenario_run("kv-eviction-storm", "priority-eviction"))
+    assert before["vip"] > 0 and before["internal"] > 0
+    assert after["vip"] == 0
+    assert after["internal"] <= before["internal"] / 10
+    assert after["batch"] > before["batch"]
