@@ -28,6 +28,33 @@ GPU_LABELS = ("node", "gpu", "uuid")
 PROCESS_LABELS = ("node", "gpu", "uuid", "pid", "process")
 ENGINE_LABELS = ("node", "gpu", "engine")
 
+# Context-length buckets (label ``context_bucket``) of gpudiag's per-request latency
+# histograms, in tokens of prompt plus output: the KV a request held when it finished,
+# which is what its decode steps read and what fragments a KV pool. Prompt length alone
+# would put the storm's long generations (prompt ~1.5k, output ~3k tokens) in one bucket
+# with chat turns (prompts up to 2k). Edges a factor 4 apart from 512 to 32k tokens keep
+# the label to five values (each times 24 latency buckets per engine): chat turns land in
+# the lowest two, long generations and RAG prompts in <=8k, long-context work above.
+CONTEXT_BUCKET_EDGES_TOKENS = (512, 2048, 8192, 32768)
+
+
+def _tokens_text(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+CONTEXT_BUCKETS = tuple(f"<={_tokens_text(e)}" for e in CONTEXT_BUCKET_EDGES_TOKENS) + (
+    f">{_tokens_text(CONTEXT_BUCKET_EDGES_TOKENS[-1])}",)
+
+
+def context_bucket(tokens) -> str | None:
+    """The ``context_bucket`` label value of a request of ``tokens`` (prompt + output); None when unknown."""
+    if not isinstance(tokens, (int, float)) or isinstance(tokens, bool) or tokens != tokens or tokens < 0:
+        return None
+    for edge, label in zip(CONTEXT_BUCKET_EDGES_TOKENS, CONTEXT_BUCKETS):
+        if tokens <= edge:
+            return label
+    return CONTEXT_BUCKETS[-1]
+
 
 @dataclass(frozen=True)
 class Metric:
@@ -134,6 +161,16 @@ METRICS: tuple[Metric, ...] = (
     _m("e2e_request_latency_seconds", HISTOGRAM, "seconds", "End-to-end request latency.", _E, "request", "vllm"),
     _m("request_queue_time_seconds", HISTOGRAM, "seconds", "Time a request waited before its first prefill.",
        _E, "request", "vllm"),
+    # --- Requests by context length, gpudiag's own (vLLM's histograms carry no such label) ---
+    _m("request_time_to_first_token_seconds", HISTOGRAM, "seconds",
+       "Time to first token by context_bucket (prompt + output tokens of the request).",
+       _E + ("context_bucket",), "request"),
+    _m("request_inter_token_latency_seconds", HISTOGRAM, "seconds",
+       "Time per output token after the first, by context_bucket (prompt + output tokens of the request).",
+       _E + ("context_bucket",), "request"),
+    _m("request_e2e_latency_seconds", HISTOGRAM, "seconds",
+       "End-to-end request latency by context_bucket (prompt + output tokens of the request).",
+       _E + ("context_bucket",), "request"),
     # --- Serving engine, gpudiag's own --------------------------------------
     _m("engine_batch_size", GAUGE, "", "Sequences in the last engine step.", _E, "engine"),
     _m("engine_kv_evictions_total", COUNTER, "", "KV evictions (a request's KV freed to make room).", _E, "engine"),
@@ -151,8 +188,35 @@ METRICS: tuple[Metric, ...] = (
     _m("engine_requests_arrived_total", COUNTER, "", "Requests received.", _E, "engine"),
     _m("engine_requests_rejected_total", COUNTER, "", "Requests refused by admission control (HTTP 429).",
        _E, "engine"),
+    _m("engine_requests_timed_out_total", COUNTER, "",
+       "Requests whose client gave up (timeout) before the last token; the engine aborted them, queued or running.",
+       _E, "engine"),
+    _m("engine_requests_failed_total", COUNTER, "",
+       "Requests that ended in an error (CUDA out of memory) instead of their last token.", _E, "engine"),
+    _m("engine_restarts_total", COUNTER, "",
+       "Restarts of the engine process (failed liveness probes, crashes), as its supervisor counts them.",
+       _E, "engine"),
+    _m("engine_prefix_cache_evictions_total", COUNTER, "",
+       "Cached KV blocks nobody was using, dropped from the prefix cache to make room.", _E, "engine"),
+    _m("engine_prefix_cache_recomputed_tokens_total", COUNTER, "",
+       "Prompt tokens prefilled again because the prefix cache had held their KV and evicted it.", _E, "engine"),
+    _m("engine_kv_logical_bytes", GAUGE, "bytes",
+       "KV bytes the running requests address, a shared prefix block counted once per request using it "
+       "(their KV demand without prefix sharing).", _E, "engine"),
     _m("engine_serving_state", GAUGE, "", "Serving state as a label set to 1.", _E + ("state",), "engine"),
     _m("engine_model_info", INFO, "", "The served model.", _E + ("model", "fingerprint"), "engine"),
+    _m("engine_preprocess_backlog_requests", GAUGE, "",
+       "Requests received and waiting for preprocessing (tokenize, pad, feature transforms); not yet in the "
+       "engine's queue.", _E, "engine"),
+    _m("engine_prefetch_queue_requests", GAUGE, "",
+       "Preprocessed requests in the bounded prefetch queue, ready for the engine.", _E, "engine"),
+    _m("engine_prefetch_queue_capacity_requests", GAUGE, "", "Requests the prefetch queue holds at most.",
+       _E, "engine"),
+    _m("engine_preprocess_workers_busy_ratio", GAUGE, "ratio",
+       "Share of the interval the preprocessing workers spent preprocessing (mean over workers).", _E, "engine"),
+    _m("engine_preprocess_workers_blocked_ratio", GAUGE, "ratio",
+       "Share of the interval the preprocessing workers held a finished request because the prefetch queue was "
+       "full (backpressure; mean over workers).", _E, "engine"),
     # --- Node (host) ----------------------------------------------------------
     _m("node_cpu_utilization_ratio", GAUGE, "ratio", "Node CPU busy fraction, all cores.", ("node",), "node"),
     _m("node_load1", GAUGE, "", "1-minute load average.", ("node",), "node"),
@@ -235,6 +299,14 @@ class _Columns(SimpleNamespace):
 
 
 M = _Columns(**{m.column: m.column for m in METRICS})
+
+# The engine's per-request latency (a request row's vLLM-dialect column) -> gpudiag's histogram
+# of the same observation by context_bucket. The exporters observe both from one request row.
+BY_CONTEXT: dict[str, str] = {
+    M.time_to_first_token_seconds: M.request_time_to_first_token_seconds,
+    M.inter_token_latency_seconds: M.request_inter_token_latency_seconds,
+    M.e2e_request_latency_seconds: M.request_e2e_latency_seconds,
+}
 
 
 def get(column: str) -> Metric:

@@ -2,9 +2,10 @@
 
 Sources (NVIDIA datasheets): A100 Tensor Core GPU datasheet (2021) for the
 A100 40GB/80GB SXM; H100 Tensor Core GPU datasheet (2023) for H100 SXM; H200
-Tensor Core GPU product brief (2024); L4 Tensor Core GPU datasheet (2023).
-Peak FLOP/s are dense BF16 tensor-core figures (without sparsity). Memory is
-what NVML reports as total (A100-80GB: 81920 MiB).
+Tensor Core GPU product brief (2024); L4 Tensor Core GPU datasheet (2023);
+T4 Tensor Core GPU datasheet (2019). Peak FLOP/s are dense BF16 tensor-core
+figures (without sparsity; the T4 has no BF16, so its FP16 figure). Memory is
+what NVML reports as total (A100-80GB: 81920 MiB; T4: 15360 MiB of its 16 GB).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ SPECS: dict[str, GPUSpec] = {
     "H200": GPUSpec("NVIDIA H200", 141 * 10**9, 4.8e12, 989e12, 1980e6, 3201e6, 700.0, 75.0),
     # L4 24GB: 300 GB/s GDDR6, 121 TFLOPS BF16 dense, 2040 MHz boost, 72 W.
     "L4": GPUSpec("NVIDIA L4", 24 * GIB, 300e9, 121e12, 2040e6, 6251e6, 72.0, 16.0),
+    # T4 16GB: 320 GB/s GDDR6, 65 TFLOPS FP16 mixed precision, 1590 MHz boost, 70 W.
+    "T4": GPUSpec("Tesla T4", 15 * GIB, 320e9, 65e12, 1590e6, 5001e6, 70.0, 10.0),
 }
 
 

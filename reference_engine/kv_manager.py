@@ -39,6 +39,11 @@ class KVConfig:
     chunk_bytes: int = 256 * MIB  # chunked
     block_size: int = 16  # paged: tokens per block
     max_model_len: int = 8192  # reserve-max: tokens reserved per request
+    # paged: keep full blocks of finished prompts and outputs, found again by a hash of the
+    # token prefix (vLLM's automatic prefix caching); see prefix_cache.py.
+    prefix_caching: bool = False
+    cache_policy: str = "lru"  # which cached-but-unused block goes first: lru | lfu-decay
+    cache_half_life_s: float = 600.0  # lfu-decay: an access counts half after this long
 
     def validate(self) -> None:
         """Raise GpudiagError on values no engine could run with."""
@@ -52,12 +57,19 @@ class KVConfig:
             raise GpudiagError(f"growth factor must be > 1, got {self.growth_factor}")
         if self.max_model_len <= 0:
             raise GpudiagError("max_model_len must be positive")
+        if self.prefix_caching and self.strategy != "paged":
+            raise GpudiagError("prefix caching needs the paged KV strategy (blocks shared by hash)")
+        if self.cache_policy not in CACHE_POLICIES:
+            raise GpudiagError(f"unknown prefix-cache policy {self.cache_policy!r}; valid: {', '.join(CACHE_POLICIES)}")
+        if not self.cache_half_life_s > 0:
+            raise GpudiagError(f"cache half-life must be positive, got {self.cache_half_life_s}")
 
 
 class KVManager:
     """Common bookkeeping: live tokens, bytes handed to requests, realloc copies."""
 
     name = "base"
+    now = 0.0  # the engine's time, set by the scheduler before each call (for cache policies)
 
     def __init__(self, allocator: CachingAllocator, bytes_per_token: int, capacity_bytes: int, cfg: KVConfig):
         self.allocator = allocator
@@ -112,6 +124,10 @@ class KVManager:
     def free(self, seq: Sequence) -> int:
         """Release everything the sequence holds; returns the bytes released."""
         raise NotImplementedError
+
+    def cache_metrics(self) -> dict[str, float]:
+        """Prefix-cache columns of the engine row (none without a prefix cache)."""
+        return {}
 
 
 class _Region:
@@ -315,6 +331,7 @@ class PagedKV(KVManager):
         return held * self.block_bytes
 
 
+CACHE_POLICIES = ("lru", "lfu-decay")
 STRATEGIES = {"contiguous": ContiguousKV, "chunked": ChunkedKV, "paged": PagedKV, "reserve-max": ReserveMaxKV}
 
 
@@ -322,4 +339,8 @@ def make_kv_manager(cfg: KVConfig, allocator: CachingAllocator, bytes_per_token:
                     capacity_bytes: int) -> KVManager:
     """Build the manager ``cfg.strategy`` names."""
     cfg.validate()
+    if cfg.prefix_caching:
+        from gpudiag.reference_engine.prefix_cache import PrefixCachingKV
+
+        return PrefixCachingKV(allocator, bytes_per_token, capacity_bytes, cfg)
     return STRATEGIES[cfg.strategy](allocator, bytes_per_token, capacity_bytes, cfg)

@@ -107,8 +107,11 @@ class Scheduler:
 
     @property
     def admission_blocked(self) -> bool:
-        """True while no request near the head of the queue could get KV memory."""
-        return not any(self._worth_trying(s) for s in self._candidates())
+        """True while requests wait and none near the head of the queue could get KV memory.
+
+        An empty queue is not blocked: the next arrival may be admitted at once.
+        """
+        return bool(self.waiting) and not any(self._worth_trying(s) for s in self._candidates())
 
     def _freed(self, nbytes: int) -> None:
         self._freed_since_fail += nbytes
@@ -118,6 +121,13 @@ class Scheduler:
     def can_admit(self) -> bool:
         """True when a prefill step could start now."""
         return bool(self.waiting) and len(self.running) < self.cfg.max_num_seqs and not self.admission_blocked
+
+    def retry_admission(self) -> None:
+        """Forget past allocation failures: the next prefill tries every waiting sequence again.
+
+        For an engine with nothing running: no free will come to lift the floor.
+        """
+        self._fail_floor_bytes = math.inf
 
     # -- prefill ---------------------------------------------------------------
     def schedule_prefill(self, now: float) -> list[Sequence]:
@@ -130,6 +140,7 @@ class Scheduler:
         batch: list[Sequence] = []
         tokens = 0
         skipped: list[Sequence] = []
+        self.kv.now = now
         while self.waiting and len(self.running) + len(batch) < self.cfg.max_num_seqs \
                 and len(skipped) <= self.cfg.admission_lookahead:
             seq = self.waiting[0]
@@ -152,7 +163,7 @@ class Scheduler:
             if seq.first_scheduled_s is None:
                 seq.first_scheduled_s = now
             if seq.preemptions:
-                self.stats.recomputed_tokens += n
+                self.stats.recomputed_tokens += n - seq.cached_tokens
             seq.status = Status.RUNNING
             seq.admitted_s = now
             self._track(seq, +1)
@@ -182,6 +193,7 @@ class Scheduler:
     # -- decode ----------------------------------------------------------------
     def prepare_decode(self, now: float) -> list[Sequence]:
         """Make room for one more token of every running sequence; returns the decode batch."""
+        self.kv.now = now
         for seq in list(self.running):
             if seq.status is not Status.RUNNING:
                 continue  # evicted earlier in this loop
@@ -227,8 +239,20 @@ class Scheduler:
     # -- completion --------------------------------------------------------------
     def finish(self, seq: Sequence, now: float) -> None:
         """A sequence produced its last token: release its KV."""
+        self.kv.now = now
         self._freed(self.kv.free(seq))
         self.running.remove(seq)
         self._track(seq, -1)
         seq.status = Status.FINISHED
         seq.finish_s = now
+
+    def abort(self, seq: Sequence, now: float) -> None:
+        """Drop a waiting or running sequence whose client went away; its KV is released, no result is kept."""
+        if seq.status is Status.RUNNING:
+            self.kv.now = now
+            self._freed(self.kv.free(seq))
+            self.running.remove(seq)
+            self._track(seq, -1)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        seq.status = Status.ABORTED

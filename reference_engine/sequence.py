@@ -14,6 +14,8 @@ class Status(Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+    ABORTED = "aborted"  # its client went away (timeout) or the instance restarted under it
+    FAILED = "failed"  # it ended in an error (CUDA out of memory) instead of its last token
 
 
 @dataclass(eq=False)
@@ -35,6 +37,12 @@ class Sequence:
     recomputed_tokens: int = 0
     admitted_s: float = 0.0  # last time its KV was (re)built
     kv: object = field(default=None, repr=False)  # the KV manager's handle
+    # What the prompt is made of, for prefix caching: (segment id, tokens) pieces; equal
+    # pieces are equal tokens. None: a prompt of its own that shares nothing.
+    content: tuple[tuple[int, int], ...] | None = field(default=None, repr=False)
+    output_segment: int | None = None  # segment id of its generated tokens (a later turn's prompt holds them)
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache at its last admission
+    last_token_s: float | None = None  # when its latest token came out
 
     @property
     def num_tokens(self) -> int:

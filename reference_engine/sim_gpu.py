@@ -10,7 +10,7 @@ more kernels were executing).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gpudiag.errors import GpudiagError
 from gpudiag.reference_engine.allocator import CachingAllocator, DeviceMemory
@@ -57,6 +57,9 @@ MODELS = {
     "mistral-7b": shape_of(PRESETS["mistral-7b"]),
     # Mistral-7B with an fp8 KV cache (vLLM's kv_cache_dtype=fp8): 64 KiB per token.
     "mistral-7b-kv8": shape_of(PRESETS["mistral-7b"], kv_dtype_bytes=1, name="mistral-7b-kv8"),
+    # Mistral-7B with int8 weights (W8A16: GPTQ/AWQ 8-bit, LLM.int8): 7.2 GB of weights, the
+    # "8 GB model on a 16 GB card" of SCENARIOS.md §3; decode reads half the bytes.
+    "mistral-7b-w8": replace(shape_of(PRESETS["mistral-7b"], name="mistral-7b-w8"), dtype_bytes=1),
 }
 
 
@@ -90,6 +93,27 @@ class CostModel:
     alloc_retry_s: float = 2.0e-3
     # Evicting a request: victim selection, freeing, re-queueing, block-table/region bookkeeping.
     eviction_host_s: float = 1.5e-3
+    # Request preprocessing before scheduling (tokenize, pad, feature transforms): CPU time of one
+    # core per request and per prompt token. Zero: the engine receives requests ready to schedule.
+    preprocess_s: float = 0.0
+    preprocess_s_per_token: float = 0.0
+    # What one thread block on one SM sustains (A100: 32 B/clk of loads, 1024 BF16 FMA/clk of tensor
+    # cores): a kernel launched with too few blocks runs at that many SMs' worth of the device.
+    sm_bytes_per_clock: float = 32.0
+    sm_flops_per_clock: float = 2048.0
+
+    def preprocess_cost_s(self, prompt_tokens: int) -> float:
+        """CPU time to preprocess one request of ``prompt_tokens`` tokens."""
+        return self.preprocess_s + self.preprocess_s_per_token * prompt_tokens
+
+    def kernel_s(self, spec: GPUSpec, nbytes: float, flops: float, blocks: int | None = None) -> float:
+        """Roofline time of one kernel; with ``blocks``, capped at what that many SMs' worth can do."""
+        bw = spec.hbm_bandwidth_bytes_per_s * self.bandwidth_efficiency
+        peak = spec.peak_bf16_flops * self.flops_efficiency
+        if blocks is not None:
+            bw = min(bw, blocks * self.sm_bytes_per_clock * spec.sm_clock_max_hz)
+            peak = min(peak, blocks * self.sm_flops_per_clock * spec.sm_clock_max_hz)
+        return max(nbytes / bw, flops / peak)
 
     def decode_gpu_s(self, spec: GPUSpec, model: ModelShape, batch: int, context_tokens: int) -> float:
         """One decode step of ``batch`` sequences holding ``context_tokens`` tokens of KV in all."""
@@ -98,14 +122,21 @@ class CostModel:
         t_flop = 2.0 * model.params * batch / (spec.peak_bf16_flops * self.flops_efficiency)
         return max(t_mem, t_flop) + self.launch_overhead_s_per_layer * model.num_layers
 
-    def prefill_gpu_s(self, spec: GPUSpec, model: ModelShape, token_counts: list[int]) -> float:
-        """One prefill step over sequences of the given lengths (recompute included)."""
+    def prefill_gpu_s(self, spec: GPUSpec, model: ModelShape, token_counts: list[int],
+                      cached_counts: list[int] | None = None) -> float:
+        """One prefill step over sequences of the given lengths (recompute included).
+
+        ``cached_counts``: tokens ahead of each sequence's computed ones whose KV
+        came from the prefix cache; the new tokens attend to them (and read them).
+        """
         tokens = sum(token_counts)
-        # Linear layers 2*P FLOPs per token; causal attention ~2*L*d*n^2 per sequence.
+        cached = cached_counts or [0] * len(token_counts)
+        # Linear layers 2*P FLOPs per token; causal attention ~2*L*d*n^2 per sequence
+        # (n new tokens after c cached ones: 2*L*d*(n^2 + 2*n*c)).
         flops = 2.0 * model.params * tokens + sum(
-            2.0 * model.num_layers * model.hidden_size * n * n for n in token_counts)
+            2.0 * model.num_layers * model.hidden_size * n * (n + 2 * c) for n, c in zip(token_counts, cached))
         t_flop = flops / (spec.peak_bf16_flops * self.flops_efficiency)
-        bytes_moved = model.weight_bytes + tokens * model.kv_bytes_per_token
+        bytes_moved = model.weight_bytes + (tokens + sum(cached)) * model.kv_bytes_per_token
         t_mem = bytes_moved / (spec.hbm_bandwidth_bytes_per_s * self.bandwidth_efficiency)
         return max(t_flop, t_mem) + self.launch_overhead_s_per_layer * model.num_layers
 
@@ -124,16 +155,28 @@ class CostModel:
 
 
 class LimitedDeviceMemory(DeviceMemory):
-    """HBM with a per-owner cap: torch.cuda.set_per_process_memory_fraction for the engine."""
+    """HBM with a per-owner cap: torch.cuda.set_per_process_memory_fraction for the engine.
+
+    A cap covers its owner and the owners joined to it: torch applies the
+    fraction to every pool of the process, private (CUDA-graph) pools included.
+    """
 
     def __init__(self, total_bytes: int):
         super().__init__(total_bytes)
         self.limits: dict[str, int] = {}
+        self._joined: dict[str, str] = {}  # owner -> the owner whose cap it shares
+
+    def join_cap(self, owner: str, capped_owner: str) -> None:
+        """Count ``owner``'s memory against ``capped_owner``'s cap."""
+        self._joined[owner] = capped_owner
 
     def reserve(self, nbytes: int, owner: str) -> bool:
-        limit = self.limits.get(owner)
-        if limit is not None and self.used_bytes(owner) + nbytes > limit:
-            return False
+        key = self._joined.get(owner, owner)
+        limit = self.limits.get(key)
+        if limit is not None:
+            held = self.used_bytes(key) + sum(self.used_bytes(o) for o, k in self._joined.items() if k == key)
+            if held + nbytes > limit:
+                return False
         return super().reserve(nbytes, owner)
 
 
@@ -180,6 +223,10 @@ class DeviceLayout:
     cuda_context_bytes: int = 512 * MIB  # the driver's context, charged to the process
     memory_fraction: float = 0.75  # of the device the engine may use (torch per-process fraction)
     activation_bytes: int = 2 * GIB  # workspace for activations, allocated once
+    # vLLM's gpu_memory_utilization: weights, activations and the KV pool are sized to this share
+    # of the device, and the rest stays free for whatever else the process allocates. None: the
+    # KV pool may take all memory under the cap.
+    gpu_memory_utilization: float | None = None
 
 
 class SimGPU:
@@ -199,6 +246,9 @@ class SimGPU:
             raise GpudiagError("the co-tenant's memory does not fit the device")
         if not 0.0 < self.layout.memory_fraction <= 1.0:
             raise GpudiagError(f"memory fraction must be in (0, 1], got {self.layout.memory_fraction}")
+        util = self.layout.gpu_memory_utilization
+        if util is not None and not 0.0 < util <= 1.0:
+            raise GpudiagError(f"gpu_memory_utilization must be in (0, 1], got {util}")
         engine_limit = int(spec.memory_bytes * self.layout.memory_fraction)
         self.memory.limits[self.ENGINE] = engine_limit
         if not self.memory.reserve(self.layout.cuda_context_bytes, self.ENGINE + ":context"):
@@ -216,21 +266,29 @@ class SimGPU:
         self.busy = BusyTimeline()
         self._last_stats = self.allocator.stats()
 
+    def _kv_budget_bytes(self) -> int:
+        """What the engine's own memory may reach: its cap, or less under gpu_memory_utilization."""
+        budget = self.memory.limits[self.ENGINE]
+        if self.layout.gpu_memory_utilization is not None:
+            budget = min(budget, int(self.spec.memory_bytes * self.layout.gpu_memory_utilization))
+        return budget
+
     @property
     def kv_capacity_bytes(self) -> int:
         """Device memory left for KV under the engine's cap."""
-        engine_limit = self.memory.limits[self.ENGINE]
-        return max(0, min(engine_limit - self.memory.used_bytes(self.ENGINE),
+        return max(0, min(self._kv_budget_bytes() - self.memory.used_bytes(self.ENGINE),
                           self.memory.free_bytes()))
 
     @property
     def kv_nominal_bytes(self) -> int:
         """KV capacity on this device with no other tenant: the engine's cap less its own holdings."""
-        return max(0, self.memory.limits[self.ENGINE] - self.memory.used_bytes(self.ENGINE))
+        return max(0, self._kv_budget_bytes() - self.memory.used_bytes(self.ENGINE))
 
     def driver_bytes(self) -> int:
-        """Black: what the driver charges the engine process (segments plus context)."""
-        return self.memory.used_bytes(self.ENGINE) + self.memory.used_bytes(self.ENGINE + ":context")
+        """Black: what the driver charges the engine process: its segments, its context, and every other
+        owner named after it (private pools, memory allocated outside PyTorch)."""
+        prefix = self.ENGINE + ":"
+        return sum(n for owner, n in self.memory.owners().items() if owner == self.ENGINE or owner.startswith(prefix))
 
     def allocator_host_time_since_last(self) -> tuple[float, int]:
         """Host time of allocator driver calls since the last call, and the retries among them."""

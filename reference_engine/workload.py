@@ -8,8 +8,10 @@ seeded generator, so a seed fixes the run.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +44,14 @@ class RequestClass:
     prompt: LengthDist
     output: LengthDist
     tier_weights: tuple[float, float, float] = (0.2, 0.5, 0.3)  # vip, internal, batch
+    # Every prompt of the class starts with the same this many tokens (a system prompt, a
+    # product description): ``prompt`` draws the part after it.
+    shared_prefix_tokens: int = 0
+    # Conversations: an arrival starts a conversation of this many turns; each turn's prompt is the
+    # whole conversation so far (previous prompts and answers) plus a new message of ``prompt``
+    # tokens. ``think_s``: seconds from one turn's arrival to the next (reading, typing).
+    turns: LengthDist | None = None
+    think_s: LengthDist = LengthDist(30, 0.5, 5, 300)
 
 
 @dataclass(frozen=True)
@@ -79,6 +89,8 @@ class Workload:
                 raise GpudiagError(f"phase {ph.name!r} ends before it starts")
             if not ph.mix or sum(c.weight for c in ph.mix) <= 0:
                 raise GpudiagError(f"phase {ph.name!r} has no request mix")
+            if any(c.shared_prefix_tokens < 0 for c in ph.mix):
+                raise GpudiagError(f"phase {ph.name!r}: a shared prefix cannot be negative")
 
     def phase_at(self, t: float) -> Phase | None:
         for ph in self.phases:
@@ -93,6 +105,8 @@ class Workload:
             return load_trace(self.trace_path, self.duration_s)
         rng = np.random.default_rng(seed)
         seqs: list[Sequence] = []
+        segments = itertools.count(1)  # content ids of prompt messages and answers
+        conversations = False
         t = 0.0
         while True:
             ph = self.phase_at(t)
@@ -113,8 +127,42 @@ class Workload:
             cls = ph.mix[int(rng.choice(len(ph.mix), p=weights / weights.sum()))]
             tw = np.array(cls.tier_weights, dtype=float)
             tier = int(rng.choice(len(TIERS), p=tw / tw.sum()))
-            seqs.append(Sequence(len(seqs), t, cls.prompt.draw(rng), max(1, cls.output.draw(rng)), tier, cls.name))
+            prompt, output = cls.prompt.draw(rng), max(1, cls.output.draw(rng))
+            if cls.shared_prefix_tokens or cls.turns is not None:
+                seqs.extend(self._turns(rng, cls, t, tier, prompt, output, segments))
+                conversations = conversations or cls.turns is not None
+            else:
+                seqs.append(Sequence(len(seqs), t, prompt, output, tier, cls.name))
+        if conversations:  # later turns were drawn with their conversation's first
+            seqs.sort(key=lambda s: s.arrival_s)
+        for i, s in enumerate(seqs):
+            s.seq_id = i
         return seqs
+
+    def _turns(self, rng, cls: RequestClass, t: float, tier: int, prompt: int, output: int,
+               segments) -> list[Sequence]:
+        """The requests of one conversation of ``cls`` (one, without turns), their token content spelled out."""
+        content: tuple[tuple[int, int], ...] = ()
+        if cls.shared_prefix_tokens:
+            content = ((_prefix_segment(cls.name), cls.shared_prefix_tokens),)
+        out = []
+        for turn in range(cls.turns.draw(rng) if cls.turns is not None else 1):
+            if turn:
+                t += cls.think_s.draw(rng)
+                if t >= self.duration_s:
+                    break
+                prompt, output = cls.prompt.draw(rng), max(1, cls.output.draw(rng))
+            content += ((next(segments), prompt),)
+            seq = Sequence(0, t, sum(n for _, n in content), output, tier, cls.name)
+            seq.content, seq.output_segment = content, next(segments)
+            out.append(seq)
+            content += ((seq.output_segment, output),)
+        return out
+
+
+def _prefix_segment(name: str) -> int:
+    """The content id of a class's shared prefix: the same in every run, apart from message ids."""
+    return (1 << 40) + zlib.crc32(name.encode())
 
 
 def load_trace(path: str, duration_s: float) -> list[Sequence]:
