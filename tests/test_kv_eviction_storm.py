@@ -125,6 +125,32 @@ def test_the_kv_managers_store_exactly_the_tokens_the_sequences_hold():
             assert eng.kv.live_tokens == sum(s.num_tokens for s in running), fix
 
 
+def test_a_recomputed_sequence_stores_its_tokens_and_no_more():
+    """Across evictions and recompute, stored KV matches the running sequences, and the paged pool never
+    hands out more blocks than it has."""
+    from gpudiag.reference_engine.engine import SimEngine
+
+    long_phase = scenarios.STORM_LONG_PHASE[0]
+    # Contiguous KV evicts in the long phase; so does a paged pool on 40 % of the card (about 9 GiB of KV).
+    start, end = long_phase, long_phase + 900
+    for fix, fraction in ((None, None), ("paged-kv", 0.4)):
+        cfg, wl = scenarios.get("kv-eviction-storm").build(fix)
+        if fraction is not None:
+            cfg.layout.memory_fraction = fraction
+        wl.duration_s = end
+        eng = SimEngine(cfg, wl, seed=0)
+        recomputed = 0
+        for fr in eng.frames():
+            if fr.t < start:
+                continue
+            running = eng.sched.running
+            recomputed += sum(1 for s in running if s.preemptions)
+            assert eng.kv.live_tokens == sum(s.num_tokens for s in running), (fix, fr.t)
+            if fix == "paged-kv":
+                assert eng.kv.free_blocks >= 0, fr.t
+        assert recomputed > 0, f"{fix}: no recomputed sequence ran in the window checked"
+
+
 def test_priority_tiers_move_the_evictions_onto_the_batch_tier(storm, scenario_run):
     """SCENARIOS.md §1 fix 2 is a mitigation: fragmentation stays, but paying traffic is no longer evicted."""
     def preempted_by_tier(res):
