@@ -1,8 +1,8 @@
 """Investigation of one window: findings, the memory of the implicated processes, next steps and gaps.
 
-``gpudiag investigate`` reads a window from the store, runs every analyzer
-over it (:func:`gpudiag.analyzers.registry.run_all`, the same code the agent
-streams) and turns window and findings into one document (schema in the
+``gpudiag investigate`` reads a window from the store (or from Prometheus:
+:mod:`gpudiag.promql_source`), runs every analyzer over it (the registry's,
+the same code the agent streams) and turns window and findings into one document (schema in the
 README, "gpudiag investigate --json"). Everything here is pure except
 :func:`load_store_window` (reads the store) and :func:`write_html` (writes
 the report); the time arguments are parsed by :func:`parse_time` and
@@ -31,6 +31,8 @@ DEFAULT_SINCE_S = 1800.0
 CHART_BIN_S = 60.0
 # Memory traces are thinned to at most this many points each, so a 24 h window stays a few MB of HTML.
 MAX_CHART_POINTS = 2000
+# Charts are read by people: memory in GiB (plotly would label 60e9 bytes "60B").
+GIB = float(1 << 30)
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)\s*$", re.IGNORECASE)
 _DURATION_UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -147,6 +149,7 @@ class Check:
     column: str | None
     why_missing: str
     analyzers: tuple[str, ...]
+    also_kind: str | None = None  # another frame kind whose rows carry the same column
 
 
 CHECKS = (
@@ -159,11 +162,14 @@ CHECKS = (
     Check("caching allocator (white, grey)", "process", M.process_torch_reserved_bytes,
           "no torch reporter: call gpudiag.instrument() in the process, or run an engine that reports "
           "its allocator", ("memory_fragmentation", "oom_forecast", "memory_leak")),
-    Check("serving engine", "engine", M.engine_kv_capacity_bytes,
+    Check("serving engine", "engine", M.num_requests_running,
           "no engine metrics: no vLLM or reference engine endpoint was scraped",
-          ("kv_eviction_storm", "gpu_cotenant", "latency_regression")),
+          ("kv_eviction_storm", "latency_regression")),
+    Check("engine KV capacity", "engine", M.engine_kv_capacity_bytes,
+          "the engine exports no KV capacity (gpudiag's engine metrics; vLLM has none)", ("gpu_cotenant",)),
+    # Per-request rows, or the per-interval summaries of the engine's latency histograms (vLLM, Prometheus).
     Check("finished requests (TTFT, TPOT)", "request", M.inter_token_latency_seconds,
-          "the engine reported no per-request latencies", ("latency_regression",)),
+          "the engine reported no per-request latencies", ("latency_regression",), also_kind="engine"),
     Check("CUDA API (eBPF)", "cuda_api", None,
           "no eBPF data: the CUDA API probe needs root (or CAP_BPF+CAP_PERFMON) and bcc, and is not used "
           "with --sim", ("degenerate_kernel_launch", "cpu_starved_gpu")),
@@ -176,7 +182,7 @@ def gaps(window: Window) -> list[dict[str, Any]]:
     """What could not be checked in this window: each missing view, why, and the analyzers it blinds."""
     out = [{"check": c.name, "kind": c.kind, "column": c.column, "reason": c.why_missing,
             "analyzers": list(c.analyzers)}
-           for c in CHECKS if not window.has(c.kind, c.column)]
+           for c in CHECKS if not (window.has(c.kind, c.column) or (c.also_kind and window.has(c.also_kind, c.column)))]
     out.extend({"check": "source", "kind": None, "column": None, "reason": g, "analyzers": []} for g in window.gaps)
     return out
 
@@ -189,14 +195,10 @@ def _num(v) -> float | None:
     return None if math.isnan(f) else f
 
 
-def implicated(findings: list[Finding], proc: pd.DataFrame) -> set[tuple]:
+def implicated(findings: list[Finding], entities: list[dict[str, Any]]) -> set[tuple]:
     """(node, gpu, pid) of the processes the findings name; a finding without a pid names its GPU's processes."""
     keys = set()
-    if proc.empty or "pid" not in proc:
-        return keys
-    entities = proc[[c for c in ("node", "gpu", "pid") if c in proc]].drop_duplicates()
-    for row in entities.itertuples(index=False):
-        r = row._asdict()
+    for r in entities:
         for f in findings:
             if f.gpu is not None and r.get("gpu") != f.gpu:
                 continue
@@ -214,29 +216,26 @@ def memory(window: Window, findings: list[Finding]) -> list[dict[str, Any]]:
     proc = window.table("process")
     if proc.empty or "pid" not in proc:
         return []
-    named = implicated(findings, proc)
     labels = [c for c in ("node", "gpu", "pid") if c in proc]
+    wanted = ["t", "process", M.process_torch_largest_free_block_bytes, *LAYER_COLUMNS.values()]
+    # One pass over a day of rows: the last observed value of each column per process.
+    latest = proc[labels + [c for c in wanted if c in proc]].groupby(labels, sort=True, dropna=False).last()
+    latest = latest.reset_index().to_dict("records")
+    named = implicated(findings, latest)
     out = []
-    for key, rows in proc.groupby(labels, sort=True, dropna=False):
-        key = key if isinstance(key, tuple) else (key,)
-        ent = dict(zip(labels, key))
-        last = rows.iloc[-1]
-        layers = {}
-        missing = {}
-        for layer, col in LAYER_COLUMNS.items():
-            have = rows[col].dropna() if col in rows else pd.Series(dtype=float)
-            layers[layer] = _num(have.iloc[-1]) if not have.empty else None
-            if layers[layer] is None:
-                missing[layer] = NVML_NOT_LISTED if layer == BLACK else NO_REPORTER
+    for ent in latest:
+        layers = {layer: _num(ent.get(col)) for layer, col in LAYER_COLUMNS.items()}
+        missing = {layer: NVML_NOT_LISTED if layer == BLACK else NO_REPORTER
+                   for layer, v in layers.items() if v is None}
         w, g, b = layers[WHITE], layers[GREY], layers[BLACK]
         out.append({
             "node": ent.get("node"), "gpu": ent.get("gpu"), "pid": ent.get("pid"),
-            "process": last.get("process"),
-            "t": _num(last["t"]),
+            "process": ent.get("process"),
+            "t": _num(ent["t"]),
             "white_bytes": w, "grey_bytes": g, "black_bytes": b,
             "grey_minus_white_bytes": None if w is None or g is None else g - w,
             "black_minus_grey_bytes": None if g is None or b is None else b - g,
-            "largest_free_block_bytes": _num(last.get(M.process_torch_largest_free_block_bytes)),
+            "largest_free_block_bytes": _num(ent.get(M.process_torch_largest_free_block_bytes)),
             "implicated": (ent.get("node"), ent.get("gpu"), ent.get("pid")) in named,
             "missing": missing,
         })
@@ -338,9 +337,9 @@ def _memory_figure(window: Window):
                 base = grey if grey is not None else 0
                 layers.append(("black: driver - reserved", black - base, "rgba(40,40,40,0.9)"))
             for label, y, colour in layers:
-                fig.add_trace(go.Scatter(x=_x(rows["t"]), y=y, name=f"{name} {label}", stackgroup=f"{gpu}-{pid}",
+                fig.add_trace(go.Scatter(x=_x(rows["t"]), y=y / GIB, name=f"{name} {label}", stackgroup=f"{gpu}-{pid}",
                                          mode="lines", line={"width": 0.5, "color": colour}, fillcolor=colour))
-    fig.update_layout(title=CHART_TITLES[0], yaxis_title="bytes")
+    fig.update_layout(title=CHART_TITLES[0], yaxis_title="GiB")
     return fig
 
 
@@ -353,6 +352,18 @@ def per_minute_tpot_p99(requests: pd.DataFrame) -> pd.DataFrame:
     bins = (r["t"] // CHART_BIN_S) * CHART_BIN_S
     p99 = r.groupby(bins)[col].quantile(0.99)
     return pd.DataFrame({"t": p99.index.to_numpy(float), "tpot_p99_s": p99.to_numpy(float)})
+
+
+def interval_p99(engine: pd.DataFrame, col: str) -> pd.DataFrame:
+    """Columns ``t`` and ``p99_s``: the P99 of each interval summary (``{"window": {...}}``) of a latency column."""
+    t, v = [], []
+    if not engine.empty and col in engine:
+        for ti, s in zip(engine["t"].tolist(), engine[col].tolist()):
+            win = s.get("window") if isinstance(s, dict) else None
+            if win and win.get("count") and win.get("p99") is not None:
+                t.append(ti)
+                v.append(win["p99"])
+    return pd.DataFrame({"t": np.array(t, float), "p99_s": np.array(v, float)})
 
 
 def _util_figure(window: Window):
@@ -370,6 +381,11 @@ def _util_figure(window: Window):
     if not tpot.empty:
         fig.add_trace(go.Scatter(x=_x(tpot["t"].to_numpy()), y=tpot["tpot_p99_s"], name="TPOT P99 (per minute)",
                                  mode="lines+markers", yaxis="y2"))
+    else:  # no request rows (vLLM's metrics, Prometheus): the P99 of each interval's histogram
+        tpot = _thin(interval_p99(window.table("engine"), M.inter_token_latency_seconds))
+        if not tpot.empty:
+            fig.add_trace(go.Scatter(x=_x(tpot["t"].to_numpy()), y=tpot["p99_s"], name="TPOT P99 (per interval)",
+                                     mode="lines", yaxis="y2"))
     fig.update_layout(title=CHART_TITLES[1], yaxis={"title": "utilization (ratio)", "range": [0, 1]},
                       yaxis2={"title": "TPOT P99 (s)", "overlaying": "y", "side": "right"})
     return fig
@@ -393,8 +409,10 @@ def _events_figure(window: Window):
 
     fig = go.Figure()
     eng = window.table("engine")
-    for col, label in ((M.engine_kv_evictions_total, "KV evictions per minute"),
-                       (M.engine_kv_alloc_failures_total, "KV allocation failures per minute")):
+    evictions = (M.engine_kv_evictions_total, "KV evictions per minute")
+    if eng.empty or M.engine_kv_evictions_total not in eng:  # vLLM counts an eviction as a preemption
+        evictions = (M.num_preemptions_total, "preemptions per minute (KV evicted)")
+    for col, label in (evictions, (M.engine_kv_alloc_failures_total, "KV allocation failures per minute")):
         if not eng.empty and col in eng:
             s = _counter_per_minute(eng, col)
             fig.add_trace(go.Bar(x=_x(s.index.to_numpy(float)), y=s.to_numpy(float), name=label))
@@ -412,14 +430,14 @@ def _blocks_figure(window: Window):
         for (gpu, pid), rows in proc.groupby(["gpu", "pid"], sort=True):
             rows = _thin(rows.dropna(subset=[col]))
             if not rows.empty:
-                fig.add_trace(go.Scatter(x=_x(rows["t"]), y=rows[col], mode="lines",
+                fig.add_trace(go.Scatter(x=_x(rows["t"]), y=rows[col] / GIB, mode="lines",
                                          name=f"gpu {gpu} pid {pid} largest free block"))
     col = M.engine_kv_failed_request_bytes
     if not eng.empty and col in eng:
         failed = eng[eng[col].fillna(0) > 0]
-        fig.add_trace(go.Scatter(x=_x(failed["t"]), y=failed[col], mode="markers", name="failed KV request size",
+        fig.add_trace(go.Scatter(x=_x(failed["t"]), y=failed[col] / GIB, mode="markers", name="failed KV request size",
                                  marker={"color": "red", "symbol": "x"}))
-    fig.update_layout(title=CHART_TITLES[3], yaxis_title="bytes")
+    fig.update_layout(title=CHART_TITLES[3], yaxis_title="GiB")
     return fig
 
 
@@ -430,6 +448,11 @@ def _shade_findings(fig, findings: list[Finding]) -> None:
         fig.add_vrect(x0=x0, x1=x1, fillcolor=colours[f.severity.value], line_width=0)
 
 
+# A chart that fails to draw says so on the page (and to a browser test) instead of leaving a blank space.
+_ERROR_BOX_JS = ("window.addEventListener('error',function(e){var b=document.getElementById('report-errors');"
+                 "if(b){b.hidden=false;b.textContent+='A chart could not be drawn: '+e.message+'\\n';}});")
+
+
 def html_report(window: Window, findings: list[Finding]) -> str:
     """One self-contained HTML page: the four charts (plotly embedded once, no CDN) and the findings."""
     import html as H
@@ -437,7 +460,13 @@ def html_report(window: Window, findings: list[Finding]) -> str:
     figures = [_memory_figure(window), _util_figure(window), _events_figure(window), _blocks_figure(window)]
     parts = []
     for i, fig in enumerate(figures):
-        _shade_findings(fig, findings)
+        if not fig.data:
+            fig.add_annotation(text="no data for this chart in this window (see 'Could not be checked')",
+                               xref="paper", yref="paper", x=0.5, y=0.5, showarrow=False)
+            fig.update_xaxes(visible=False)
+            fig.update_yaxes(visible=False)
+        else:
+            _shade_findings(fig, findings)
         fig.update_layout(height=420, margin={"l": 60, "r": 60, "t": 50, "b": 40}, legend={"font": {"size": 10}})
         parts.append(fig.to_html(full_html=False, include_plotlyjs=(i == 0), div_id=f"chart-{i}"))
     rows = "".join(
@@ -445,11 +474,17 @@ def html_report(window: Window, findings: list[Finding]) -> str:
         f"<td>{H.escape(_iso(f.end_s))}</td><td>{H.escape(f.summary)}</td>"
         f"<td>{H.escape(', '.join(f.caused_by))}</td></tr>" for f in findings) \
         or "<tr><td colspan=6>no findings</td></tr>"
+    missing = "".join(f"<li>{H.escape(g['check'])}: {H.escape(g['reason'])}</li>" for g in gaps(window))
     title = f"gpudiag investigate {_iso(window.start_s)} to {_iso(window.end_s)}"
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{H.escape(title)}</title>"
-            "<style>body{font-family:sans-serif;margin:1em}td,th{padding:2px 8px;text-align:left}</style>"
-            f"</head><body><h1>{H.escape(title)}</h1><table><tr><th>severity</th><th>kind</th><th>start</th>"
+            "<style>body{font-family:sans-serif;margin:1em}td,th{padding:2px 8px;text-align:left}"
+            "#report-errors{color:#b00;border:1px solid #b00;padding:4px}</style>"
+            f"<script>{_ERROR_BOX_JS}</script>"
+            "</head><body><pre id='report-errors' hidden></pre>"
+            f"<h1>{H.escape(title)}</h1><p>sources: {H.escape(', '.join(window.sources))}</p>"
+            "<table><tr><th>severity</th><th>kind</th><th>start</th>"
             f"<th>end</th><th>summary</th><th>caused by</th></tr>{rows}</table>"
+            + (f"<h3>Could not be checked</h3><ul>{missing}</ul>" if missing else "")
             + "".join(parts) + "</body></html>")
 
 

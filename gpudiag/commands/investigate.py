@@ -1,4 +1,4 @@
-"""``gpudiag investigate``: from an alert to a root cause in one command, over a window of the store.
+"""``gpudiag investigate``: from an alert to a root cause in one command, over a window of the store or Prometheus.
 
 Exit code 0 when nothing of warning level or above is found, 1 when
 something is, 2 on bad input (usable from scripts and alert webhooks).
@@ -27,34 +27,105 @@ def register(app: typer.Typer) -> None:
 
 
 def investigate(
-    store: str = typer.Option(..., "--store", help="Timeline store written by `gpudiag agent` (SQLite)."),
+    store: Optional[str] = typer.Option(None, "--store", help="Timeline store written by `gpudiag agent` (SQLite)."),
+    prometheus: Optional[str] = typer.Option(
+        None, "--prometheus", help="Read the window from this Prometheus (or Thanos, Mimir) instead of a store: "
+        "series of gpudiag's agent, dcgm-exporter and vLLM, e.g. http://prometheus:9090."),
     since: Optional[str] = typer.Option(
-        None, "--since", help="Window length back from the store's latest sample: 90s, 30m, 2h, 1d (default 30m). "
-        "With a running agent the latest sample is about now; a store written earlier, or by `agent --sim` "
-        "(simulated time base: the agent's start time plus simulated seconds), ends where its data ends."),
+        None, "--since", help="Window length back from the latest sample: 90s, 30m, 2h, 1d (default 30m). "
+        "With --prometheus it counts back from now. With a store and a running agent the latest sample is "
+        "about now; a store written earlier, or by `agent --sim` (simulated time base: the agent's start time "
+        "plus simulated seconds), ends where its data ends."),
     start: Optional[str] = typer.Option(None, "--from", help="Window start: ISO-8601 (no offset = local time) "
                                         "or Unix seconds."),
-    end: Optional[str] = typer.Option(None, "--to", help="Window end (default: the store's latest sample)."),
+    end: Optional[str] = typer.Option(None, "--to", help="Window end (default: the store's latest sample; "
+                                      "now with --prometheus)."),
     node: Optional[str] = typer.Option(None, "--node", help="Only this node's rows."),
     gpu: Optional[int] = typer.Option(None, "--gpu", help="Only this GPU's rows (index)."),
+    step: Optional[str] = typer.Option(None, "--step", help="With --prometheus: the range queries' step (1s, "
+                                       "15s). Default: the sample spacing of the most often scraped exporter, "
+                                       "widened on long windows."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
     html: Optional[str] = typer.Option(None, "--html", help="Also write a self-contained HTML report (charts) "
                                        "to this file."),
 ):
-    """Run every analyzer over a window of the store: causal chain, evidence, memory, next steps, gaps."""
+    """Run every analyzer over a window of the store or Prometheus: causal chain, evidence, memory, next steps, gaps."""
     from gpudiag import investigate as I
-    from gpudiag.analyzers.registry import run_all
+    from gpudiag.errors import GpudiagError
 
-    window = I.load_store_window(store, since=since, start=start, end=end, node=node, gpu=gpu)
-    findings = run_all(window)
-    doc = I.document(window, findings)
-    if html is not None:
-        I.write_html(html, window, findings)
+    if (store is None) == (prometheus is None):
+        raise GpudiagError("give the window's source: --store PATH (the agent's store) or --prometheus URL")
+    if step is not None and prometheus is None:
+        raise GpudiagError("--step applies to --prometheus only (a store holds every sample)")
+    bar = _Progress(enabled=sys.stderr.isatty() and not (as_json and not sys.stdout.isatty()))
+    try:
+        if prometheus is not None:
+            from gpudiag import promql_source
+
+            lo, hi = promql_source.resolve_window(since=since, start=start, end=end)
+            bar.long = hi - lo >= PROGRESS_MIN_WINDOW_S
+            window = promql_source.load_window(prometheus, since=since, start=start, end=end, node=node, gpu=gpu,
+                                               step=step, progress=bar)
+        else:
+            window = I.load_store_window(store, since=since, start=start, end=end, node=node, gpu=gpu)
+            bar.long = window.end_s - window.start_s >= PROGRESS_MIN_WINDOW_S
+        findings = _analyze(window, bar)
+        bar("report", 0, 1)
+        doc = I.document(window, findings)
+        if html is not None:
+            I.write_html(html, window, findings)
+    finally:
+        bar.close()
     if as_json:
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
     else:
         _print(Console(file=sys.stdout, highlight=False), doc, findings, html)
     return I.exit_code(findings)
+
+
+# Windows shorter than this are analyzed in a few seconds: no bar flickers over them.
+PROGRESS_MIN_WINDOW_S = 3600.0
+
+
+class _Progress:
+    """A transient progress bar on stderr, drawn only when enabled and the window is long."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.long = False
+        self._bar = None
+        self._task = None
+
+    def __call__(self, description: str, done: int, total: int) -> None:
+        if not (self.enabled and self.long):
+            return
+        if self._bar is None:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._bar = Progress(TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), console=Console(file=sys.stderr), transient=True)
+            self._bar.start()
+            self._task = self._bar.add_task(description, total=total)
+        # Stages are coarse (a range query, an analyzer): draw each one, not only what a 10 Hz refresh catches.
+        self._bar.update(self._task, description=description, completed=done, total=total, refresh=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+def _analyze(window, progress) -> list:
+    """Every analyzer of the registry over the window, one progress step each, chain-assembled."""
+    from gpudiag.analyzers import chain
+    from gpudiag.analyzers.registry import ANALYZERS
+
+    findings = []
+    for i, (kind, analyze) in enumerate(ANALYZERS.items()):
+        progress(f"analyzer {kind}", i, len(ANALYZERS))
+        findings.extend(analyze(window))
+    progress("causal chain", len(ANALYZERS), len(ANALYZERS))
+    return chain.assemble(findings)
 
 
 def _when(t: float | None, origin: float) -> str:
