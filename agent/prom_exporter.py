@@ -15,7 +15,10 @@ Row conventions the collector reads (see ``gpudiag.probes.base``):
 * a histogram is either a dict ``{"buckets": [(le, cumulative count), ...],
   "sum": s, "count": n}`` (the eBPF probe's latency maps), or, in ``request``
   rows, one observation per finished request, accumulated here into
-  cumulative buckets (:data:`LATENCY_BUCKETS_S`);
+  cumulative buckets (:data:`LATENCY_BUCKETS_S`); a request row's TTFT, inter-token and
+  e2e latency are observed twice, once in the engine's vLLM-dialect histogram and once in
+  gpudiag's by ``context_bucket`` (``catalog.BY_CONTEXT``; the bucket of its
+  ``prompt_tokens + output_tokens``), which is exported whatever the dialect setting;
 * a value that is absent, None or NaN is no sample: "not measured" is not 0.
 
 vLLM-dialect metrics (``vllm:*``) are the serving engine's own: Prometheus
@@ -63,7 +66,7 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.utils import floatToGoString
 
-from gpudiag.catalog import CATALOG, COUNTER, GAUGE, HISTOGRAM, INFO, M
+from gpudiag.catalog import BY_CONTEXT, CATALOG, COUNTER, GAUGE, HISTOGRAM, INFO, M, context_bucket
 from gpudiag.catalog import Metric as CatalogMetric
 from gpudiag.errors import GpudiagError
 from gpudiag.frames import Frame
@@ -86,6 +89,17 @@ _LE_LABELS = tuple(floatToGoString(le) for le in LATENCY_BUCKETS_S)
 
 def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v))
+
+
+def _context_bucket_of(row: dict[str, Any]) -> str | None:
+    """A request row's ``context_bucket``: its own, else from its prompt and output tokens (None if unknown)."""
+    given = row.get("context_bucket")
+    if given:
+        return str(given)
+    prompt, output = row.get("prompt_tokens"), row.get("output_tokens")
+    if not _is_number(prompt) or not _is_number(output):
+        return None
+    return context_bucket(prompt + output)
 
 
 def _label_value(v) -> str:
@@ -169,16 +183,23 @@ class LatestFrames:
             listener(frames)
 
     def _observe(self, row: dict[str, Any]) -> None:
+        bucket = _context_bucket_of(row)
         for key, value in row.items():
             metric = CATALOG.get(key)
             if metric is None or metric.type != HISTOGRAM or not _is_number(value):
                 continue
-            labels = tuple(_label_value(self._label(row, name)) for name in metric.labels)
-            per_metric = self._histograms.setdefault(metric.column, {})
-            hist = per_metric.get(labels)
-            if hist is None:
-                hist = per_metric[labels] = _Histogram()
-            hist.observe(float(value))
+            self._observe_one(metric, row, float(value))
+            by_context = BY_CONTEXT.get(key)
+            if by_context is not None and bucket is not None and by_context not in row:
+                self._observe_one(CATALOG[by_context], {**row, "context_bucket": bucket}, float(value))
+
+    def _observe_one(self, metric: CatalogMetric, row: dict[str, Any], value: float) -> None:
+        labels = tuple(_label_value(self._label(row, name)) for name in metric.labels)
+        per_metric = self._histograms.setdefault(metric.column, {})
+        hist = per_metric.get(labels)
+        if hist is None:
+            hist = per_metric[labels] = _Histogram()
+        hist.observe(value)
 
     def _label(self, row: dict[str, Any], name: str):
         value = row.get(name)

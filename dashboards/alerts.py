@@ -93,6 +93,14 @@ FINDING_TEXT: dict[str, tuple[str, str, str]] = {
         "0m", "Hardware errors on {{ $labels.node }} GPU {{ $labels.gpu }} (XID, ECC, NVLink or PCIe).",
         "The GPU, its memory or its links keep reporting errors. Critical for uncorrected ECC, a lost GPU, an "
         "uncorrectable row remap or a fatal XID: drain the node."),
+    "queue_avalanche": (
+        "1m", "Queue avalanche on {{ $labels.node }} GPU {{ $labels.gpu }}: clients time out, the instance restarts.",
+        "Load above capacity is queued instead of refused: queue wait climbs past the clients' timeouts and the "
+        "liveness probe, the instance restarts and retries land on it. Bound the queue and refuse the excess (429)."),
+    "prefix_cache_thrash": (
+        "5m", "Prefix cache on {{ $labels.node }} GPU {{ $labels.gpu }} evicts KV that requests come back for.",
+        "A fifth or more of the prompt tokens looked up had been cached and were evicted before they were needed, "
+        "so they are prefilled again: long prefills stall decoding and inter-token latency jitters."),
     "latency_regression": (
         "2m", "Request latency P99 regressed on {{ $labels.node }} GPU {{ $labels.gpu }}.",
         "TTFT, inter-token or end-to-end latency P99 is at least twice its baseline. P99 up with P50 normal "

@@ -366,19 +366,26 @@ def engine_kv(runbook_base_url: str = DEFAULT_RUNBOOK_BASE_URL) -> dict:
 QUANTILES = (0.5, 0.99, 0.999)
 
 
-def _quantile_targets(column: str) -> list[dict]:
-    bucket = f"sum {_by('le', 'node', 'gpu')} (rate({sel(column, suffix='_bucket')}[{RATE}]))"
-    return [target(f"histogram_quantile({q}, {bucket})", f"{{{{node}}}} gpu{{{{gpu}}}} P{q * 100:g}")
-            for q in QUANTILES]
+def _quantile_targets(column: str, by: tuple[str, ...] = ("node", "gpu"),
+                      legend: str = "{{node}} gpu{{gpu}}") -> list[dict]:
+    bucket = f"sum {_by('le', *by)} (rate({sel(column, suffix='_bucket')}[{RATE}]))"
+    return [target(f"histogram_quantile({q}, {bucket})", f"{legend} P{q * 100:g}") for q in QUANTILES]
+
+
+def _context_buckets_text() -> str:
+    return ", ".join(catalog.CONTEXT_BUCKETS)
 
 
 def service(runbook_base_url: str = DEFAULT_RUNBOOK_BASE_URL) -> dict:
-    """TTFT, inter-token and end-to-end latency at P50, P99 and P99.9, and queue time."""
+    """TTFT, inter-token and end-to-end latency at P50, P99 and P99.9, queue time, and latency by context length."""
     b = _Board("gpudiag-service", "gpudiag / Service latency",
                "What users feel. P99 up with P50 normal points at stragglers or communication (NVLink, PCIe, "
-               "clocks, temperature); everything slower points at load, throttling or memory pressure. The "
-               "exported histograms carry no context-length label, so latency by context length is read from "
-               "gpudiag repro's per-request report.", ["service", "latency"])
+               "clocks, temperature); everything slower points at load, throttling or memory pressure. Latency by "
+               "context length (prompt + output tokens, buckets " + _context_buckets_text() + ") comes from "
+               "gpudiag's own request histograms, which the agent fills from every finished request it sees (the "
+               "reference engine, --sim); vLLM's histograms carry no context length, so behind a vLLM those panels "
+               "stay empty.", ["service", "latency"])
+    b.row("All requests")
     for title, column in (("Time to first token", M.time_to_first_token_seconds),
                           ("Inter-token latency", M.inter_token_latency_seconds),
                           ("End-to-end latency", M.e2e_request_latency_seconds),
@@ -389,6 +396,19 @@ def service(runbook_base_url: str = DEFAULT_RUNBOOK_BASE_URL) -> dict:
             [target(f"sum by (le) (rate({sel(M.inter_token_latency_seconds, suffix='_bucket')}[{RATE}]))",
                     "{{le}}", fmt="heatmap")],
             kind="heatmap", width=24, options=_heatmap_options())
+    b.row("By context length (prompt + output tokens)")
+    by_context = "Over the selected nodes and GPUs, one line per context bucket and quantile. "
+    for title, column in (("Time to first token", M.request_time_to_first_token_seconds),
+                          ("Inter-token latency", M.request_inter_token_latency_seconds),
+                          ("End-to-end latency", M.request_e2e_latency_seconds)):
+        b.panel(f"{title} by context length P50 / P99 / P99.9", by_context + help_of(column), unit(column),
+                _quantile_targets(column, ("context_bucket",), "{{context_bucket}}"))
+    b.panel("Finished requests per second by context length", "The traffic mix behind the latencies above: a "
+            "slow bucket that carries a small share of the requests is a few long requests, not the whole service. "
+            + help_of(M.request_e2e_latency_seconds),
+            unit(M.engine_requests_finished_total, rate=True),
+            [target(f"sum by (context_bucket) (rate({sel(M.request_e2e_latency_seconds, suffix='_count')}[{RATE}]))",
+                    "{{context_bucket}}")])
     return b.build(runbook_base_url)
 
 

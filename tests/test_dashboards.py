@@ -133,6 +133,34 @@ def test_every_metric_in_every_expression_is_known():
         assert not unknown, f"{fname} / {title}: {sorted(unknown)} in {expr}"
 
 
+def test_service_board_shows_ttft_inter_token_and_e2e_quantiles_by_context_bucket():
+    panels = {p["title"]: p for p in dashboards()["service.json"]["panels"] if p["type"] != "row"}
+    for title, column in (("Time to first token", catalog.M.request_time_to_first_token_seconds),
+                          ("Inter-token latency", catalog.M.request_inter_token_latency_seconds),
+                          ("End-to-end latency", catalog.M.request_e2e_latency_seconds)):
+        p = panels[f"{title} by context length P50 / P99 / P99.9"]
+        exprs = [t["expr"] for t in p["targets"]]
+        assert [re.match(r"histogram_quantile\(([\d.]+),", e).group(1) for e in exprs] == ["0.5", "0.99", "0.999"]
+        name = catalog.get(column).name
+        assert all(f"sum by (le, context_bucket) (rate({name}_bucket{{" in e for e in exprs), exprs
+        assert all(t["legendFormat"].startswith("{{context_bucket}} P") for t in p["targets"])
+        assert p["fieldConfig"]["defaults"]["unit"] == "s"
+    # every bucket is named in the board's description, from the catalog's one definition
+    description = dashboards()["service.json"]["description"]
+    assert all(b in description for b in catalog.CONTEXT_BUCKETS)
+
+
+def test_context_bucket_is_gpudiags_label_and_vllm_histograms_stay_as_vllm_defines_them():
+    for m in catalog.METRICS:
+        if m.dialect == "vllm":
+            assert "context_bucket" not in m.labels, m.name
+    for source, by_context in catalog.BY_CONTEXT.items():
+        src, dst = catalog.get(source), catalog.get(by_context)
+        assert src.dialect == "vllm" and dst.dialect == "gpudiag" and dst.name.startswith("gpudiag_request_")
+        assert dst.type == src.type == catalog.HISTOGRAM and dst.unit == src.unit
+        assert dst.labels == src.labels + ("context_bucket",)
+
+
 def test_dashboards_cover_the_issue_boards():
     titles = {d["title"] for d in dashboards().values()}
     for word in ("Node GPU wall", "Memory", "Engine", "Service", "Infra health", "CUDA API", "Findings"):
