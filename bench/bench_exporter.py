@@ -264,7 +264,7 @@ def bench_store(node: SyntheticNode, hours: float) -> dict:
         flush_ms = []
         cpu0 = time.process_time()
         gen_cpu = 0.0
-        for i in range(ticks):
+        for _ in range(ticks):
             g0 = time.process_time()
             frames = node.frames()
             gen_cpu += time.process_time() - g0

@@ -7,7 +7,6 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
 import yaml
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"

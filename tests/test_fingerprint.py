@@ -179,7 +179,7 @@ def _hostile_files(tmp_path):
 
 def test_bad_files_are_one_error_line_and_exit_2(cli, tmp_path):
     cases = _hostile_files(tmp_path)
-    for label, path in cases.items():
+    for path in cases.values():
         with pytest.raises(GpudiagError, match=r"^[^\n]+$"):
             fingerprint_file(path)
     # Through the CLI (a process start each): one case of each kind of failure.

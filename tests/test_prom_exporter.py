@@ -103,7 +103,8 @@ def latest_with_findings(**kwargs) -> LatestFrames:
                            {"probe": "nvml", "kind": "timeout", M.agent_probe_errors_total: 2},
                            {"kind": "disk_full", M.agent_store_errors_total: 5}])
     storm = Finding("kv_eviction_storm", Severity.CRITICAL, T - 60, T, "evictions 40/s", gpu=1, node="node-a", pid=4010)
-    same_entity = Finding("kv_eviction_storm", Severity.CRITICAL, T - 30, T, "evictions", gpu=1, node="node-a", pid=4011)
+    same_entity = Finding("kv_eviction_storm", Severity.CRITICAL, T - 30, T, "evictions", gpu=1, node="node-a",
+                          pid=4011)
     latest.set_findings([storm, same_entity.to_dict()])
     return latest
 

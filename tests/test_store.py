@@ -382,7 +382,8 @@ WRITER = textwrap.dedent("""
     while True:
         t = 1000.0 + tick
         store.append([
-            Frame("gpu", t, [{"node": "n", "gpu": g, "uuid": f"GPU-{g}", "gpu_utilization_ratio": (tick + g) % 101 / 100,
+            Frame("gpu", t, [{"node": "n", "gpu": g, "uuid": f"GPU-{g}",
+                              "gpu_utilization_ratio": (tick + g) % 101 / 100,
                               "gpu_memory_used_bytes": (tick * 7919 + g) * 4096} for g in range(4)]),
             Frame("process", t, [{"node": "n", "gpu": g, "pid": 100 + g, "process": "python3",
                                   "process_gpu_memory_bytes": tick * 2097152} for g in range(4)]),

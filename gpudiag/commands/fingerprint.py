@@ -17,7 +17,8 @@ def register(app: typer.Typer) -> None:
 
     @app.command("fingerprint")
     def fingerprint(
-        files: Annotated[list[Path], typer.Argument(metavar="FILE.safetensors...", help="safetensors files (several: the shards of one model).")],
+        files: Annotated[list[Path], typer.Argument(
+            metavar="FILE.safetensors...", help="safetensors files (several: the shards of one model).")],
         json_out: Annotated[bool, typer.Option("--json", help="Print one JSON document.")] = False,
     ) -> None:
         """SHA-256 over every tensor's name, dtype, shape and bytes, in name order.

@@ -219,8 +219,8 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     # registers with 4 warps; 256-wide heads halve the query tile.
     block_m = block_m or (64 if d_pad <= 128 else 32)
     block_n = block_n or 64
-    as_i32 = (lambda x: x if x.dtype == torch.int32 else x.to(torch.int32))
-    block_tables, context_lens, cu_seqlens_q = as_i32(block_tables), as_i32(context_lens), as_i32(cu_seqlens_q)
+    block_tables, context_lens, cu_seqlens_q = (
+        x if x.dtype == torch.int32 else x.to(torch.int32) for x in (block_tables, context_lens, cu_seqlens_q))
     grid = (triton.cdiv(max_query_len, block_m), b, h)
     _prefill_attention_kernel[grid](
         out, q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, scale * LOG2E,
