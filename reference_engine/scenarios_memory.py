@@ -136,7 +136,7 @@ SCENARIOS["cotenant"] = Scenario(
 # splits cached segments for the many sizes, and as concurrency rises the free memory
 # ends up in holes no new region fits.
 FRAG_DURATION_S = 3600.0
-FRAG_PHASES = (("low", 0.0, 1200.0, 0.3), ("rising", 1200.0, 2400.0, 0.55), ("peak", 2400.0, 3600.0, 0.9))
+FRAG_PHASES = (("low", 0.0, 1200.0, 0.3), ("rising", 1200.0, 2400.0, 0.55), ("peak", 2400.0, 3600.0, 0.92))
 # Chat turns, and one request in ten a long generation whose region grows many times.
 _FRAG_MIX = (RequestClass("short", 0.9, LengthDist(400, 0.6, 16, 3000), LengthDist(150, 0.6, 16, 1500)),
              RequestClass("long", 0.1, LengthDist(1500, 0.4, 200, 4000), LengthDist(1200, 0.4, 200, 3000)))
