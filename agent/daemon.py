@@ -32,12 +32,10 @@ import logging
 import socket
 import threading
 import time
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import pandas as pd
 import psutil
 
 from gpudiag.agent.config import AgentConfig
@@ -47,7 +45,7 @@ from gpudiag.agent.tracker import ThreeColourTracker
 from gpudiag.catalog import M
 from gpudiag.errors import GpudiagError
 from gpudiag.findings import Finding, Severity
-from gpudiag.frames import Frame, Window
+from gpudiag.frames import Frame, Table, TableBuffer, Window
 from gpudiag.probes.base import Probe, ProbeError
 
 log = logging.getLogger("gpudiag.agent")
@@ -248,33 +246,70 @@ def ebpf_unavailable_reason() -> str | None:
     return explain(blockers[0]) if blockers else None
 
 
+# --- memory ------------------------------------------------------------------------------------
+
+# glibc mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
+# An always-on agent frees window-sized arrays every analysis. glibc raises its mmap threshold
+# to the size of each large block freed, so later ones come from the heap, whose freed pages it
+# keeps; fixed thresholds send every array over 128 KiB to mmap (back to the system on free), and
+# two arenas instead of one per thread keep the probe threads' small frees from pinning pages.
+_MALLOC_SETTINGS = ((_M_MMAP_THRESHOLD, 128 * 1024), (_M_TRIM_THRESHOLD, 128 * 1024), (_M_ARENA_MAX, 2))
+
+
+def _libc():
+    """glibc, when this process runs on it (None elsewhere: musl, macOS)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+class MemoryKeeper:
+    """Keeps the agent's resident memory at what it holds: fixed malloc thresholds, a trim after each analysis."""
+
+    def __init__(self):
+        self._libc = _libc()
+        if self._libc is not None:
+            for param, value in _MALLOC_SETTINGS:
+                self._libc.mallopt(param, value)
+
+    def release(self) -> None:
+        """Hand the heap's free pages back (a few ms, once per analysis)."""
+        if self._libc is not None:
+            self._libc.malloc_trim(0)
+
+
 # --- the in-memory window -------------------------------------------------------------------
 
 
 class SlidingWindow:
-    """The last ``window_s`` seconds of frames, per kind, as DataFrame chunks (built once, reused).
+    """The last ``window_s`` seconds of frames, per kind, as columns that slide (built once, never copied again).
 
-    Frames are added as rows; :meth:`window` turns the rows added since the last
-    call into one DataFrame chunk per kind, drops the chunks that left the window
-    and concatenates the rest, so every analysis converts only new rows.
+    :meth:`add` only keeps a reference to each tick's rows; :meth:`window` turns
+    the rows added since the last call into one :class:`~gpudiag.frames.Table`
+    chunk per kind (numpy arrays, no pandas), appends it to that kind's
+    :class:`~gpudiag.frames.TableBuffer` and drops the rows that left the window,
+    so every analysis converts only new rows and copies none of the kept ones;
+    label codes computed for a chunk are reused by every later window.
     """
 
     def __init__(self, window_s: float):
         self.window_s = float(window_s)
         self._lock = threading.Lock()
-        self._pending: dict[str, list[dict[str, Any]]] = {}
-        self._chunks: dict[str, deque[tuple[float, pd.DataFrame]]] = {}
+        self._pending: dict[str, list[tuple[float, list[dict[str, Any]]]]] = {}
+        self._buffers: dict[str, TableBuffer] = {}
         self.newest_t: float | None = None
 
     def add(self, frames: Iterable[Frame]) -> None:
-        """Take frames (rows are copied without the per-row probe state)."""
+        """Take frames (their rows are read, never changed, at the next :meth:`window`)."""
         with self._lock:
             for fr in frames:
-                bucket = self._pending.setdefault(fr.kind, [])
-                for r in fr.rows:
-                    row = {k: v for k, v in r.items() if k not in _NOT_IN_WINDOW}
-                    row["t"] = fr.t
-                    bucket.append(row)
+                self._pending.setdefault(fr.kind, []).append((fr.t, fr.rows))
                 if self.newest_t is None or fr.t > self.newest_t:
                     self.newest_t = fr.t
 
@@ -286,25 +321,14 @@ class SlidingWindow:
         if end is None:
             return Window({}, 0.0, 0.0, node)
         start = end - self.window_s
-        for kind, rows in pending.items():
-            if rows:
-                df = pd.DataFrame.from_records(rows)
-                for col in df.columns:
-                    # Label columns stay plain objects: the analyzers compare them to scalars
-                    # per entity, and pandas' python-backed str dtype does that ~2x slower.
-                    if isinstance(df[col].dtype, pd.StringDtype):
-                        df[col] = df[col].astype(object)
-                self._chunks.setdefault(kind, deque()).append((float(df["t"].max()), df))
+        for kind, ticks in pending.items():
+            self._buffers.setdefault(kind, TableBuffer()).append(Table.from_frames(ticks, skip=_NOT_IN_WINDOW))
         tables = {}
-        for kind, chunks in self._chunks.items():
-            while chunks and chunks[0][0] <= start:
-                chunks.popleft()
-            if not chunks:
-                continue
-            df = pd.concat([c for _, c in chunks], ignore_index=True) if len(chunks) > 1 else chunks[0][1]
-            df = df[df["t"] > start]
-            tables[kind] = df.sort_values("t", kind="stable").reset_index(drop=True)
-        return Window(tables, start, end, node, sources=["agent"])
+        for kind, buf in self._buffers.items():
+            buf.drop_until(start)
+            if len(buf):
+                tables[kind] = buf.table()
+        return Window.from_columns(tables, start_s=start, end_s=end, node=node, sources=["agent"])
 
 
 # --- findings over time -----------------------------------------------------------------------
@@ -456,9 +480,11 @@ class Agent:
         self._cpu_mark = (time.monotonic(), self._cpu_seconds())
         self._cpu_ratio: float | None = None
         self.analysis_seconds: float | None = None
+        self.analysis_cpu_seconds: float | None = None  # the analyzer thread's CPU time of the last analysis
         self.analyses = 0
         self.opened_by_kind: dict[str, int] = {}
         self._sim_probe: SimTimeline | None = None
+        self._memory = MemoryKeeper()
 
     # -- wiring ------------------------------------------------------------------------------
     def _open_probes(self) -> list[ProbeSlot]:
@@ -658,7 +684,7 @@ class Agent:
         """Run every analyzer over the in-memory window once; log, store and export what changed."""
         from gpudiag.analyzers.registry import run_all
 
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.thread_time()
         win = self.window.window(self.node)
         findings = run_all(win) if win.tables else []
         opened, updated, resolved = self.findings.reconcile(findings, win.end_s, win.start_s)
@@ -678,6 +704,9 @@ class Agent:
             if self.otlp is not None:
                 self.otlp.emit_finding(doc, state)
         self.latest.set_findings(self.findings.active())
+        del win
+        self._memory.release()
+        self.analysis_cpu_seconds = time.thread_time() - started_cpu
         return findings
 
     # -- lifecycle -------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ missing layer is None with its own reason.
 
 from __future__ import annotations
 
+import operator
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -59,6 +60,27 @@ NVML_NO_VALUE = ("NVML lists the process but gives no per-process memory (not av
 
 _LABELS = ("node", "gpu", "uuid", "pid", "process")
 _TORCH_SIDE = {WHITE, GREY}
+_TORCH_MARKERS = (M.process_torch_allocated_bytes, M.process_torch_reserved_bytes, "white_missing_reason",
+                  "torch_device")
+_REASON_KEYS = tuple((layer, f"{layer}_missing_reason") for layer in LAYER_COLUMNS)
+# The per-row reasons are a handful of fixed strings: made once, not per row and tick.
+_GAP_MISSING = {(column, outer_missing, inner_missing):
+                f"{' and '.join(la for la, miss in ((outer, outer_missing), (inner, inner_missing)) if miss)}"
+                " layer missing"
+                for column, (outer, inner) in GAP_COLUMNS.items()
+                for outer_missing in (False, True) for inner_missing in (False, True)}
+_SLOPE_MISSING = {layer: f"{layer} layer missing" for layer in SLOPE_COLUMNS}
+# Output key order per input key tuple: labels first, then the rest without the per-layer reasons.
+_ROW_ORDER: dict[tuple, tuple] = {}
+
+
+def _row_order(keys: tuple) -> tuple:
+    labels = tuple(k for k in _LABELS if k in keys)
+    order = labels + tuple(k for k in keys if k not in labels and not k.endswith("_missing_reason"))
+    if len(_ROW_ORDER) > 1024:  # key sets come from probes: bound the memo
+        _ROW_ORDER.clear()
+    _ROW_ORDER[keys] = order
+    return order
 
 
 def least_squares_slope(points: Iterable[tuple[float, float]]) -> float | None:
@@ -193,17 +215,22 @@ class ThreeColourTracker:
         joined: dict[tuple[str, Any], dict[str, Any]] = {}
         sources: dict[tuple[str, Any], dict[str, Any]] = {}
         for key, row in self._keyed(rows):
-            merged = joined.setdefault(key, {})
-            src = sources.setdefault(key, {"black_row": False, "torch_row": False, "reasons": {}})
+            merged = joined.get(key)
+            if merged is None:
+                src = sources[key] = {"black_row": False, "torch_row": False, "reasons": {}}
+            else:
+                src = sources[key]
             if M.process_gpu_memory_bytes in row or "host_pid" in row:
                 src["black_row"] = True
-            if any(c in row for c in (M.process_torch_allocated_bytes, M.process_torch_reserved_bytes,
-                                      "white_missing_reason", "torch_device")):
+            if not src["torch_row"] and any(c in row for c in _TORCH_MARKERS):
                 src["torch_row"] = True
-            for layer in LAYER_COLUMNS:
-                reason = row.get(f"{layer}_missing_reason")
+            for layer, reason_key in _REASON_KEYS:
+                reason = row.get(reason_key)
                 if reason:
                     src["reasons"].setdefault(layer, reason)
+            if merged is None:
+                joined[key] = row  # the first row of an entity is taken whole (rows from _keyed are copies)
+                continue
             for k, v in row.items():
                 if k in ("process",) and merged.get(k):
                     continue  # the first name seen (NVML/procfs) wins over a reporter's
@@ -219,8 +246,15 @@ class ThreeColourTracker:
         return Frame("process", now, out)
 
     def _derive(self, now, key, merged, src, notes) -> dict[str, Any]:
-        row = {k: merged.get(k) for k in _LABELS if k in merged}
-        row.update({k: v for k, v in merged.items() if k not in row and not k.endswith("_missing_reason")})
+        keys = tuple(merged)
+        order = _ROW_ORDER.get(keys)
+        if order is None:
+            order = _row_order(keys)
+        if order == keys:  # labels first, no reasons: the joined row (a private copy) is the output row
+            row = merged
+        else:
+            row = dict(zip(order, operator.itemgetter(*order)(merged))) if len(order) > 1 else \
+                {k: merged[k] for k in order}
         reasons: dict[str, str] = {}
         values: dict[str, float | None] = {}
         for layer, column in LAYER_COLUMNS.items():
@@ -230,22 +264,26 @@ class ThreeColourTracker:
             if value is None:
                 reasons[column] = src["reasons"].get(layer) or self._default_reason(layer, src, notes)
         for column, (outer, inner) in GAP_COLUMNS.items():
-            if values[outer] is not None and values[inner] is not None:
-                row[column] = values[outer] - values[inner]
+            vo, vi = values[outer], values[inner]
+            if vo is not None and vi is not None:
+                row[column] = vo - vi
             else:
                 row[column] = None
-                absent = [la for la in (outer, inner) if values[la] is None]
-                reasons[column] = f"{' and '.join(absent)} layer missing"
-        history = self._history.setdefault(key, _History())
+                reasons[column] = _GAP_MISSING[column, vo is None, vi is None]
+        history = self._history.get(key)
+        if history is None:
+            history = self._history[key] = _History()
         history.last_seen = now
+        cutoff = now - self.window_s
         for layer, column in SLOPE_COLUMNS.items():
             trend = history.trends[layer]
-            if values[layer] is not None:
-                trend.add(now, float(values[layer]))
-            trend.drop_before(now - self.window_s)
+            value = values[layer]
+            if value is not None:
+                trend.add(now, float(value))
+            trend.drop_before(cutoff)
             slope = None
-            if values[layer] is None:
-                reasons[column] = f"{layer} layer missing"
+            if value is None:
+                reasons[column] = _SLOPE_MISSING[layer]
             elif trend.n < self.min_samples:
                 reasons[column] = f"{trend.n} of {self.min_samples} samples needed for a trend"
             elif trend.span_s < self.min_span_s:

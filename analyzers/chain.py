@@ -15,8 +15,11 @@ CAUSES: dict[str, tuple[str, ...]] = {
     "memory_fragmentation": ("kv_eviction_storm", "oom_forecast", "latency_regression"),
     "memory_leak": ("oom_forecast", "memory_fragmentation"),
     "gpu_cotenant": ("kv_eviction_storm", "memory_fragmentation", "latency_regression", "oom_forecast"),
-    "kv_eviction_storm": ("latency_regression",),
-    "cpu_starved_gpu": ("latency_regression",),
+    # Lost capacity (evictions and recompute, a starved GPU) piles requests up in the queue.
+    "kv_eviction_storm": ("latency_regression", "queue_avalanche"),
+    "cpu_starved_gpu": ("latency_regression", "queue_avalanche"),
+    "queue_avalanche": ("latency_regression",),
+    "prefix_cache_thrash": ("latency_regression",),
     "degenerate_kernel_launch": ("latency_regression",),
     "throttling": ("latency_regression",),
     "hardware_errors": ("latency_regression", "throttling"),

@@ -1,14 +1,34 @@
-"""Shared helpers for analyzers: rates from counters, episodes from masks, percentiles."""
+"""Shared helpers for analyzers: rates from counters, episodes from masks, percentiles.
+
+Tables come as pandas DataFrames or as :class:`~gpudiag.frames.Rows` (the
+window's columnar rows, ``window.rows(kind)``); every helper takes both and
+gives the same answer. On Rows, entity groups and label matches come from the
+table's shared codes instead of a groupby or a comparison per call.
+"""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import pandas as pd
+
+from gpudiag.frames import Column, Rows
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
-def per_entity(df: pd.DataFrame, keys: list[str]):
+def per_entity(df: pd.DataFrame | Rows, keys: list[str]):
     """Yield (key dict, sub-frame sorted by t) for each entity present in ``df``."""
     if df.empty:
+        return
+    if isinstance(df, Rows):
+        present = [k for k in keys if k in df]
+        if not present:
+            yield {}, df
+            return
+        for key, sub in df.groups(tuple(present)):
+            yield dict(zip(present, key)), sub
         return
     present = [k for k in keys if k in df.columns]
     if not present:
@@ -56,15 +76,39 @@ def episodes(t: np.ndarray, mask: np.ndarray, merge_gap_s: float, min_duration_s
 
 
 def percentile(values, q: float) -> float:
-    """Percentile (0..100) of a sequence; NaN when empty."""
+    """Percentile (0..100) of a sequence; NaN when empty.
+
+    The same number as ``np.percentile(values, q)`` (linear method), computed
+    from one partition: numpy's general path costs ten times more than the
+    partition itself on the few thousand values of a latency bucket.
+    """
     arr = np.asarray(values, dtype=float)
     arr = arr[~np.isnan(arr)]
-    if arr.size == 0:
+    n = arr.size
+    if n == 0:
         return float("nan")
-    return float(np.percentile(arr, q))
+    if not isinstance(q, (int, float)) or not 0 <= q <= 100:
+        return float(np.percentile(arr, q))
+    qf = q / 100
+    virtual = (n - 1) * qf  # numpy's virtual index for the linear method, same operations in the same order
+    lo = float(np.floor(virtual))
+    if virtual >= n - 1:
+        i = j = n - 1
+        lo = -1.0
+    elif virtual < 0:
+        i = j = 0
+        lo = 0.0
+    else:
+        i = int(lo)
+        j = i + 1
+    arr.partition(sorted({0, n - 1, i, j}))
+    a, b = float(arr[i]), float(arr[j])
+    gamma = virtual - lo
+    diff = b - a
+    return b - diff * (1 - gamma) if gamma >= 0.5 else a + diff * gamma
 
 
-def in_span(df: pd.DataFrame, start: float, end: float, col: str = "t") -> pd.DataFrame:
+def in_span(df: pd.DataFrame | Rows, start: float, end: float, col: str = "t"):
     """Rows with start <= df[col] <= end."""
     return df[(df[col] >= start) & (df[col] <= end)]
 
@@ -76,16 +120,17 @@ def linear_trend(t: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     0 when fewer than three samples or a single instant make a trend
     meaningless; (0.0, 0.0) then.
     """
-    ok = ~(np.isnan(t) | np.isnan(y))
-    t, y = t[ok], y[ok]
+    bad = np.isnan(t) | np.isnan(y)
+    if bad.any():
+        t, y = t[~bad], y[~bad]
     n = t.size
     if n < 3:
         return 0.0, 0.0
-    tc = t - t.mean()
+    tc = t - _mean(t)
     sxx = float(np.dot(tc, tc))
     if sxx <= 0:
         return 0.0, 0.0
-    yc = y - y.mean()
+    yc = y - _mean(y)
     slope = float(np.dot(tc, yc)) / sxx
     resid = yc - slope * tc
     var = float(np.dot(resid, resid)) / (n - 2)
@@ -94,13 +139,110 @@ def linear_trend(t: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     return slope, slope / np.sqrt(var / sxx)
 
 
+def _mean(x: np.ndarray):
+    """``x.mean()`` (the same sum over the same count) without its wrapper, for the many small trends."""
+    return np.add.reduce(x) / x.size if x.dtype == np.float64 else x.mean()
+
+
 def labelled_total(values) -> np.ndarray:
     """Sum of a labelled metric's nested dict per row (``{"volatile": {"corrected": 1}}`` -> 1.0).
 
     Rows without the metric (None, NaN) are NaN, so an unobserved counter is
     never mistaken for a zero.
     """
+    dc = values.dict_column() if isinstance(values, Column) else None
+    if dc is not None:
+        col, idx = dc
+        return col.reduce(_numeric_leaves, idx, other_value=_nested_sum)
     return np.array([_nested_sum(v) for v in values], dtype=float)
+
+
+def dict_keys(values) -> list[str]:
+    """The top-level keys (as str, sorted) of the dict values of a labelled metric's rows."""
+    dc = values.dict_column() if isinstance(values, Column) else None
+    if dc is not None:
+        col, idx = dc
+        lay = col.layout if idx is None else col.layout[idx]
+        return sorted({str(path[0]) for lid in np.unique(lay).tolist() if lid >= 0
+                       for path, _ in col.layouts[lid]})
+    return sorted({str(k) for v in values if isinstance(v, dict) for k in v})
+
+
+def dict_total(values, *path, default: float = float("nan")) -> np.ndarray:
+    """Per row, the total (as :func:`labelled_total`) of the value at ``path`` in its dict.
+
+    A key is looked up as given, then as int for a string of digits (NVML's XID
+    codes come either way); a path that is absent gives ``default``; a row
+    that is not a dict, or a path through a non-dict value, gives NaN.
+    """
+    dc = values.dict_column() if isinstance(values, Column) else None
+    if dc is not None:
+        col, idx = dc
+        return col.reduce(lambda layout: _select_path(layout, path, float(default)), idx,
+                          other_value=lambda v: np.nan)
+    return np.array([_walk_total(v, path, float(default)) if isinstance(v, dict) else np.nan for v in values],
+                    dtype=float)
+
+
+def dict_flag(values, key) -> np.ndarray:
+    """Per row, whether its dict holds a true value under ``key`` (``isinstance(v, dict) and bool(v.get(key))``)."""
+    dc = values.dict_column() if isinstance(values, Column) else None
+    if dc is None:
+        return np.array([isinstance(v, dict) and bool(v.get(key)) for v in values], dtype=bool)
+    col, idx = dc
+    lay = col.layout if idx is None else col.layout[idx]
+    rows = np.arange(col.n) if idx is None else np.asarray(idx)
+    out = np.zeros(len(lay), dtype=bool)
+    for lid in np.unique(lay).tolist():
+        if lid < 0:
+            continue
+        at = np.flatnonzero(lay == lid)
+        leaf = [(p, kind) for p, kind in col.layouts[lid] if p[0] == key]
+        if not leaf:
+            continue
+        (p, kind), deeper = leaf[0], len(leaf) > 1 or len(leaf[0][0]) > 1
+        if deeper:
+            out[at] = True  # a non-empty dict under the key
+        elif kind in ("i", "f", "b"):
+            out[at] = col.leaves[p][rows[at]] != 0  # NaN is true, as bool(nan)
+        elif kind == "o":
+            out[at] = [bool(col.objects[p][int(i)]) for i in rows[at].tolist()]
+    return out
+
+
+def _numeric_leaves(layout) -> list:
+    return [p for p, kind in layout if kind in ("i", "f", "b")]
+
+
+def _select_path(layout, path: tuple, default: float):
+    """The numeric leaves under ``path`` in a row shape, or the row's value itself (default, NaN) as a float."""
+    prefix: tuple = ()
+    for key in path:
+        under = [p for p, _ in layout if len(p) > len(prefix) and p[:len(prefix)] == prefix]
+        if any(p == prefix for p, _ in layout) and prefix:
+            return float("nan")  # the path goes through a value that is not a dict
+        children = {p[len(prefix)] for p in under}
+        if key in children:
+            prefix = prefix + (key,)
+        elif isinstance(key, str) and key.isdigit() and int(key) in children:
+            prefix = prefix + (int(key),)
+        else:
+            return default
+    return [p for p, kind in layout if kind in ("i", "f", "b") and p[:len(prefix)] == prefix]
+
+
+def _walk_total(v: dict, path: tuple, default: float) -> float:
+    node = v
+    for key in path:
+        if not isinstance(node, dict):
+            return float("nan")
+        if key in node:
+            node = node[key]
+        elif isinstance(key, str) and key.isdigit() and int(key) in node:
+            node = node[int(key)]
+        else:
+            return default
+    return _nested_sum(node)
 
 
 def _nested_sum(v) -> float:
@@ -125,10 +267,14 @@ def counter_increase(values: np.ndarray) -> float:
     return float(np.where(inc < 0, v[1:], inc).sum())
 
 
-def subset(df: pd.DataFrame, key: dict, cols=("node", "gpu")) -> pd.DataFrame:
+def subset(df: pd.DataFrame | Rows, key: dict, cols=("node", "gpu")):
     """Rows of ``df`` matching ``key`` on the label columns both carry (a label absent on either side matches)."""
     if df.empty:
         return df
+    if isinstance(df, Rows):
+        want = {col: key[col] for col in cols
+                if col in df and key.get(col) is not None and not _isnan(key.get(col))}
+        return df.matching(want) if want else df
     for col in cols:
         if col in df and key.get(col) is not None and not _isnan(key.get(col)):
             df = df[df[col] == key[col]]

@@ -61,10 +61,10 @@ MERGE_GAP_S = 120.0
 
 def analyze(window: Window) -> list[Finding]:
     """Episodes of a GPU starved by the host, per GPU and process."""
-    gpu, proc = window.table("gpu"), window.table("process")
+    gpu, proc = window.rows("gpu"), window.rows("process")
     if gpu.empty or proc.empty or not window.has("gpu", M.gpu_utilization_ratio):
         return []
-    eng, api = window.table("engine"), window.table("cuda_api")
+    eng, api = window.rows("engine"), window.rows("cuda_api")
     findings = []
     for gkey, g in per_entity(gpu, ["node", "gpu"]):
         t = g["t"].to_numpy(float)
@@ -73,6 +73,8 @@ def analyze(window: Window) -> list[Finding]:
         if not low.any():
             continue
         traffic, queue_empty, load = _work_waiting(subset(eng, gkey), t)
+        if not (low & traffic & queue_empty).any():
+            continue  # no second can qualify, whatever the host does: skip the per-process work
         for pkey, p in per_entity(subset(proc, gkey), ["pid"]):
             busy = _on_grid(p, M.process_thread_cpu_max_ratio, t)
             api_p = subset(api, {"node": gkey.get("node"), "pid": pkey.get("pid")}, ("node", "pid"))

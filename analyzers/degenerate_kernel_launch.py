@@ -54,10 +54,10 @@ FIX_NAMES = ("correct-grid",)
 
 def analyze(window: Window) -> list[Finding]:
     """Degenerate launches per process (and kernel function, where rows name it)."""
-    api = window.table("cuda_api")
+    api = window.rows("cuda_api")
     if api.empty or "pid" not in api:
         return []
-    gpu_of = _gpu_of_pid(window.table("process"))
+    gpu_of = _gpu_of_pid(window.rows("process"))
     findings = []
     functions = api[api["function"].notna()] if "function" in api else api.iloc[:0]
     plain = api[api["function"].isna()] if "function" in api else api

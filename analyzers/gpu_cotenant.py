@@ -48,7 +48,7 @@ FIX_NAMES = ("dedicated-gpu",)
 
 def analyze(window: Window) -> list[Finding]:
     """Co-tenant processes on an engine's GPU, with the KV capacity they cost it."""
-    proc, eng, gpu = window.table("process"), window.table("engine"), window.table("gpu")
+    proc, eng, gpu = window.rows("process"), window.rows("engine"), window.rows("gpu")
     if proc.empty or eng.empty or not window.has("process", M.process_gpu_memory_bytes) \
             or not window.has("engine", M.engine_kv_capacity_bytes):
         return []

@@ -24,7 +24,7 @@ from gpudiag.catalog import M
 from gpudiag.findings import Evidence, Finding, Severity, alert_name
 from gpudiag.frames import Window
 
-from .common import counter_increase, label_int, labelled_total, per_entity
+from .common import counter_increase, dict_keys, dict_total, label_int, labelled_total, per_entity
 
 KIND = "hardware_errors"
 
@@ -46,7 +46,7 @@ FIX_NAMES: tuple[str, ...] = ()
 
 def analyze(window: Window) -> list[Finding]:
     """Rising hardware error counters per GPU."""
-    gpu = window.table("gpu")
+    gpu = window.rows("gpu")
     if gpu.empty:
         return []
     findings = []
@@ -110,20 +110,17 @@ def _by_label(g, column) -> dict[str, np.ndarray]:
     """A labelled counter split by its first label: {label value: series} (NaN where a row lacks it)."""
     if column not in g:
         return {}
-    values = g[column].tolist()
-    labels = sorted({str(k) for v in values if isinstance(v, dict) for k in v})
+    values = g[column]
     out = {}
-    for label in labels:
+    for label in dict_keys(values):
         # A code missing from a row's dict has not occurred yet: 0, not "not measured".
-        out[label] = labelled_total([v.get(label, v.get(int(label), 0) if label.isdigit() else 0)
-                                     if isinstance(v, dict) else None for v in values])
+        out[label] = dict_total(values, label, default=0.0)
     return out
 
 
 def _ecc(g) -> dict[str, np.ndarray] | None:
     if M.gpu_ecc_errors_total not in g:
         return None
-    values = g[M.gpu_ecc_errors_total].tolist()
-    scope = "volatile" if any(isinstance(v, dict) and "volatile" in v for v in values) else "aggregate"
-    return {kind: labelled_total([v.get(scope, {}).get(kind) if isinstance(v, dict) else None for v in values])
-            for kind in ("corrected", "uncorrected")}
+    values = g[M.gpu_ecc_errors_total]
+    scope = "volatile" if "volatile" in dict_keys(values) else "aggregate"
+    return {kind: dict_total(values, scope, kind) for kind in ("corrected", "uncorrected")}

@@ -22,7 +22,11 @@ Definitions (per GPU, over 1 s engine samples and finished requests):
 A storm is an episode of eviction rate >= EVICTION_RATE_THRESHOLD lasting at
 least MIN_DURATION_S, with decode latency (TPOT P99) or recompute share
 above their thresholds. The chain assembler links it to the fragmentation
-finding that precedes it on the same GPU.
+finding that precedes it on the same GPU. When tokens filled at least
+DEMAND_FILL_RATIO of the KV capacity (engine_kv_used_bytes over
+engine_kv_capacity_bytes) and the engine reports no prefix-cache lookups,
+the pool ran out of room rather than into holes, and the suggested fixes
+start with prefix caching.
 """
 
 from __future__ import annotations
@@ -53,19 +57,24 @@ RECOMPUTE_SHARE_THRESHOLD = 0.05
 # Three times the baseline TPOT P99 is where SLOs of interactive serving break.
 CRITICAL_TPOT_RATIO = 3.0
 FIXES = ["paged-kv", "chunked-kv", "priority-eviction", "memory-aware-batching"]
+# Tokens filled nine tenths of the KV capacity: the pool ran out of room for tokens, not
+# into holes (a fragmented pool fails with far less stored). Demand itself must shrink:
+# prefix caching, where the engine does not share prompt prefixes yet.
+DEMAND_FILL_RATIO = 0.9
+DEMAND_FIXES = ["prefix-caching"]
 
 
 def analyze(window: Window) -> list[Finding]:
     """Eviction storms per GPU (engine), with their evidence."""
-    eng = window.table("engine")
+    eng = window.rows("engine")
     if eng.empty:
         return []
     evict_col = M.engine_kv_evictions_total if window.has("engine", M.engine_kv_evictions_total) \
         else M.num_preemptions_total
     if not window.has("engine", evict_col):
         return []
-    gpu_df = window.table("gpu")
-    req = window.table("request")
+    gpu_df = window.rows("gpu")
+    req = window.rows("request")
     findings = []
     for key, e in per_entity(eng, ["node", "gpu"]):
         t = e["t"].to_numpy(float)
@@ -107,10 +116,29 @@ def analyze(window: Window) -> list[Finding]:
                     Evidence("gpu_utilization_oscillation_ratio", osc_in, osc_base, None, "ratio"),
                     Evidence(M.kv_cache_usage_perc, _max(e, M.kv_cache_usage_perc, sel), None, None, "ratio"),
                 ],
-                runbook=alert_name(KIND), fixes=list(FIXES),
-                details={"evictions": n_ev, "tpot_p99_ratio": ratio},
+                runbook=alert_name(KIND), fixes=_fixes(e, sel),
+                details={"evictions": n_ev, "tpot_p99_ratio": ratio, "kv_token_fill_ratio": _fill(e, sel)},
             ))
     return findings
+
+
+def _fill(e, sel):
+    """Largest share of the KV capacity holding tokens in the episode; None when not observed."""
+    if M.engine_kv_used_bytes not in e or M.engine_kv_capacity_bytes not in e:
+        return None
+    used = e[M.engine_kv_used_bytes].to_numpy(float)[sel]
+    cap = e[M.engine_kv_capacity_bytes].to_numpy(float)[sel]
+    ok = (cap > 0) & np.isfinite(used)
+    return float((used[ok] / cap[ok]).max()) if ok.any() else None
+
+
+def _fixes(e, sel) -> list[str]:
+    fill = _fill(e, sel)
+    shares_prefixes = M.prefix_cache_queries_total in e and bool(
+        np.nanmax(e[M.prefix_cache_queries_total].to_numpy(float), initial=0.0) > 0)
+    if fill is not None and fill >= DEMAND_FILL_RATIO and not shares_prefixes:
+        return DEMAND_FIXES + FIXES
+    return list(FIXES)
 
 
 def _subset(df, key):

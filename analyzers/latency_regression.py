@@ -156,7 +156,7 @@ def _quantiles(values, interval_p50):
 def _samples(window: Window) -> dict:
     """{entity key: {metric: (t, values-or-interval-p99, interval-p50 or None, weight)}}."""
     out: dict = {}
-    req = window.table("request")
+    req = window.rows("request")
     if not req.empty and any(c in req for c in LATENCIES):
         for key, r in per_entity(req, ["node", "gpu"]):
             t = r["t"].to_numpy(float)
@@ -166,7 +166,7 @@ def _samples(window: Window) -> dict:
                     ok = ~np.isnan(v)
                     out.setdefault(_k(key), {})[metric] = (t[ok], v[ok], None, np.ones(int(ok.sum())))
         return {k: v for k, v in out.items() if v}
-    eng = window.table("engine")
+    eng = window.rows("engine")
     for key, e in per_entity(eng, ["node", "gpu"]):
         t = e["t"].to_numpy(float)
         for metric in LATENCIES:

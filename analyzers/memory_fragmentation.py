@@ -39,10 +39,10 @@ FIXES = ["paged-kv", "chunked-kv"]
 
 def analyze(window: Window) -> list[Finding]:
     """Episodes of allocation failures caused by fragmentation, per GPU and process."""
-    proc = window.table("process")
+    proc = window.rows("process")
     if proc.empty or not window.has("process", M.process_torch_reserved_bytes):
         return []
-    eng = window.table("engine")
+    eng = window.rows("engine")
     findings: list[Finding] = []
     for key, p in per_entity(proc, ["node", "gpu", "pid"]):
         if M.process_torch_largest_free_block_bytes not in p or p[M.process_torch_reserved_bytes].isna().all():

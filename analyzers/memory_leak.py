@@ -21,8 +21,14 @@ innermost one whose rule holds:
 Without an in-process reporter (no white and grey) black alone is judged:
 black rising with flat load is a leak of layer ``unknown``, and the details
 say which layers were missing. The load is the engine's running requests on
-that GPU (flat: the last third's mean within LOAD_CHANGE_RATIO of the first
-third's); with no engine rows it is not observed, and the details say so.
+that GPU; it is flat when its least-squares change over the window is within
+LOAD_CHANGE_RATIO of its mean, or when it wanders without a trend (a line in
+time explains less than LOAD_TREND_R2 of its variance); with no engine rows
+it is not observed, and the details say so. Memory that follows the load
+(KV and activations of the running batch) is no leak even when the load is
+flat: each series is judged after removing the part a regression on the
+load explains (bytes per running request times the load's deviation from
+its mean), so only growth at constant load counts.
 
 Time to OOM: the device's free memory plus what the outer layers hold free
 (for a tensor leak the pool's cached bytes fill first) over the leaking
@@ -50,6 +56,13 @@ ALLOCATED, POOL, DRIVER, UNKNOWN = "allocated", "pool", "driver", "unknown"
 # The running batch may drift by a fifth between the start and the end of the
 # window without being "more load": continuous batching varies that much.
 LOAD_CHANGE_RATIO = 0.2
+# A batch of ten-odd requests drifts by a third over fifteen minutes by chance
+# alone (Poisson arrivals, log-normal lengths); that wandering is no trend when
+# a line in time explains less than half of its variance, and the regression
+# on the load below takes its share out of the memory. A load that really
+# trends (a ramp) is collinear with time, and memory growth under it stays
+# ambiguous: no finding.
+LOAD_TREND_R2 = 0.5
 # A layer is "flat" when its own slope is not a significant rise, or rises
 # less than this share of the leaking gap's growth (a leak in an outer layer
 # may drag a little of the inner one with it).
@@ -68,18 +81,18 @@ FIX_NAMES = ("no-leak",)
 
 def analyze(window: Window) -> list[Finding]:
     """Leaks per GPU process, with the leaking layer and the time left before OOM."""
-    proc = window.table("process")
+    proc = window.rows("process")
     if proc.empty or not window.has("process", M.process_gpu_memory_bytes) and \
             not window.has("process", M.process_torch_allocated_bytes):
         return []
-    gpu, eng, api = window.table("gpu"), window.table("engine"), window.table("cuda_api")
+    gpu, eng, api = window.rows("gpu"), window.rows("engine"), window.rows("cuda_api")
     findings = []
     for key, p in per_entity(proc, ["node", "gpu", "pid"]):
         t = p["t"].to_numpy(float)
         white, grey, black = (_col(p, c) for c in (M.process_torch_allocated_bytes,
                                                      M.process_torch_reserved_bytes, M.process_gpu_memory_bytes))
-        load_flat, load = _load_flat(subset(eng, key))
-        verdict = _leaking_layer(t, white, grey, black, load_flat)
+        load_flat, load, running = _load_flat(subset(eng, key), t)
+        verdict = _leaking_layer(t, white, grey, black, load_flat, running)
         if verdict is None:
             continue
         layer, growth, leaked_col = verdict
@@ -129,36 +142,63 @@ def _col(p, column):
     return p[column].to_numpy(float)
 
 
-def _load_flat(e) -> tuple[bool, dict]:
-    """Whether the engine's running batch stayed flat; (True, not observed) without engine rows."""
+def _load_flat(e, t) -> tuple[bool, dict, np.ndarray | None]:
+    """Whether the engine's running batch stayed flat, and the batch at the process samples ``t``.
+
+    (True, not observed, None) without engine rows. Flat judges the fitted line over the window
+    (its change against the mean, the share of the variance it explains), not the means of two
+    thirds: those of a batch of ten-odd requests differ by more than a fifth by chance alone.
+    """
     col = next((c for c in (M.num_requests_running, M.engine_batch_size) if c in e and e[c].notna().any()), None)
     if col is None:
-        return True, {"observed": False, "note": "engine load not observed: judged as flat"}
-    v = e.sort_values("t")[col].to_numpy(float)
-    v = v[~np.isnan(v)]
+        return True, {"observed": False, "note": "engine load not observed: judged as flat"}, None
+    e = e[e[col].notna()].sort_values("t")
+    te, v = e["t"].to_numpy(float), e[col].to_numpy(float)
     third = max(len(v) // 3, 1)
     first, last = float(v[:third].mean()), float(v[-third:].mean())
-    flat = abs(last - first) <= LOAD_CHANGE_RATIO * max(first, 1.0)
-    return flat, {"observed": True, "first": first, "last": last, "flat": flat}
+    slope, _ = linear_trend(te, v)
+    change = slope * (te[-1] - te[0]) if te.size > 1 else 0.0
+    var = float(v.var())
+    r2 = slope * slope * float(te.var()) / var if var > 0 else 0.0
+    flat = abs(change) <= LOAD_CHANGE_RATIO * max(float(v.mean()), 1.0) or r2 < LOAD_TREND_R2
+    running = np.interp(t, te, v) if te.size else None
+    return flat, {"observed": True, "first": first, "last": last, "fitted_change": change,
+                  "trend_r2": r2, "flat": flat}, running
 
 
-def _leaking_layer(t, white, grey, black, load_flat):
+def _at_constant_load(t, y, running):
+    """``y`` less the part that follows the load: y - c * (running - mean), c from y ~ 1 + t + running."""
+    if y is None or running is None:
+        return y
+    ok = ~np.isnan(y)
+    r = running[ok]
+    if r.size < 3 or np.ptp(r) == 0:
+        return y
+    design = np.column_stack([np.ones(r.size), t[ok] - t[ok].mean(), r - r.mean()])
+    coef, *_ = np.linalg.lstsq(design, y[ok], rcond=None)
+    return y - coef[2] * (running - r.mean())
+
+
+def _leaking_layer(t, white, grey, black, load_flat, running=None):
     """(layer, growth bytes/s, growth column) of the innermost leaking layer, or None."""
+    if not load_flat:
+        return None
+    white_c, grey_c, black_c = (_at_constant_load(t, y, running) for y in (white, grey, black))
     if white is not None:
-        g = rising_slope(t, white)
-        if g is not None and load_flat:
+        g = rising_slope(t, white_c)
+        if g is not None:
             return ALLOCATED, g, M.process_torch_allocated_growth_bytes_per_second
     if white is not None and grey is not None:
-        g = rising_slope(t, grey - white)
-        if g is not None and load_flat and rising_slope(t, grey) is not None and _flat(t, white, g):
+        g = rising_slope(t, grey_c - white_c)
+        if g is not None and rising_slope(t, grey_c) is not None and _flat(t, white_c, g):
             return POOL, g, M.process_reserved_minus_allocated_bytes
     if grey is not None and black is not None:
-        g = rising_slope(t, black - grey)
-        if g is not None and load_flat and rising_slope(t, black) is not None and _flat(t, grey, g):
+        g = rising_slope(t, black_c - grey_c)
+        if g is not None and rising_slope(t, black_c) is not None and _flat(t, grey_c, g):
             return DRIVER, g, M.process_driver_minus_reserved_bytes
     if white is None and grey is None and black is not None:
-        g = rising_slope(t, black)
-        if g is not None and load_flat:
+        g = rising_slope(t, black_c)
+        if g is not None:
             return UNKNOWN, g, M.process_gpu_memory_growth_bytes_per_second
     return None
 

@@ -1,17 +1,28 @@
 """oom_forecast: the memory a process holds grows towards the GPU's capacity; when will it run out?
 
 Definitions (per GPU and process, over the window's 1 s samples):
-- the watermark is what the process holds, not what its tensors use: the
-  caching allocator's reserved bytes (grey) when an in-process reporter gives
-  them, else the driver-charged bytes (black). Reserved near the limit means
-  OOM even at 60 % allocated (SCENARIOS.md §3), so allocated is never used;
+- the watermark is what the process holds and cannot give back, not what its
+  tensors use: with an in-process reporter, allocated plus inactive-split
+  bytes (free blocks stuck in segments that also hold live blocks, torch's
+  "inactive, non-releasable" memory). Reserved near the limit means OOM even
+  at 60 % allocated (SCENARIOS.md §3) when the free reserved memory is such
+  holes; the rest of the cache (whole-free segments, free pages of expandable
+  segments) is released by the allocator's retry before it fails, so it is
+  headroom, not held. Without the inactive-split column the reserved bytes
+  (grey), without a reporter the driver-charged bytes (black). torch's
+  statistics count the whole-free segments of a live CUDA graph's private
+  pool as releasable although no retry frees them: memory_leak's pool layer
+  (grey minus white rising) is what catches that growth;
 - growth: the least-squares slope of that layer over the window, trusted
   only when it is positive, its t-statistic is at least TREND_T_STAT, the
-  samples span at least MIN_TREND_SPAN_S and the second half of the window
-  rises at SUSTAINED_SHARE of that rate or more (a warm-up that filled the
-  pool and then stopped is no trend);
+  samples span at least MIN_TREND_SPAN_S, and it goes on through the window:
+  the middle and the last third each rise significantly at SUSTAINED_SHARE
+  of that rate or more, and the last third at SUSTAINED_SHARE of the first
+  third's rate or more (a warm-up that filled the pool and then stopped, or
+  slowed as the pool reached the working set, is no trend);
 - headroom: device capacity minus device memory in use at the last sample
-  (NVML used; else capacity minus every process's black layer);
+  (NVML used; else capacity minus every process's black layer), plus the
+  releasable cache (reserved minus the watermark) at that sample;
 - time to OOM = headroom / growth.
 
 A finding when time to OOM is below TIME_TO_OOM_WARNING_S; critical below
@@ -35,9 +46,14 @@ KIND = "oom_forecast"
 # Autocorrelated 1 s samples overstate a slope's confidence; five standard
 # errors keeps allocator steps and load swings from reading as a trend.
 TREND_T_STAT = 5.0
-# The second half must keep rising at half the window's rate at least: a
-# step (warm-up, one burst that grew the pool) followed by a plateau has a
-# positive slope over the window but no trend.
+# The later thirds must keep rising at half the window's rate at least, and
+# the last third at half the first third's: a step (warm-up, one burst that
+# grew the pool) followed by a plateau has a positive slope over the window
+# but no trend, and a pool filling up to its working set rises ever more
+# slowly (its high-water mark grows by rarer and rarer peaks), where a leak
+# keeps its pace. Halves were not enough: a window that ends a few minutes
+# after the fill stopped still has its second half rising (seen on the
+# contiguous-KV engine's first 15 minutes).
 SUSTAINED_SHARE = 0.5
 # Ten minutes: shorter, one burst of long requests looks like a trend.
 MIN_TREND_SPAN_S = 600.0
@@ -47,34 +63,45 @@ TIME_TO_OOM_WARNING_S = 4 * 3600.0
 # Half an hour: only enough time left to move traffic away.
 TIME_TO_OOM_CRITICAL_S = 1800.0
 FIX_NAMES = ("expandable-segments", "paged-kv")
+NON_RELEASABLE = "non-releasable"  # the watermark's layer: allocated plus inactive split
 
 
 def analyze(window: Window) -> list[Finding]:
     """A forecast per GPU process whose held memory grows towards the device's capacity."""
-    proc = window.table("process")
-    gpu = window.table("gpu")
+    proc = window.rows("process")
+    gpu = window.rows("gpu")
     if proc.empty or not window.has("gpu", M.gpu_memory_total_bytes):
         return []
     layer_col = M.process_torch_reserved_bytes if window.has("process", M.process_torch_reserved_bytes) \
         else M.process_gpu_memory_bytes
     if not window.has("process", layer_col):
         return []
+    split = layer_col == M.process_torch_reserved_bytes and window.has("process", M.process_torch_allocated_bytes) \
+        and window.has("process", M.process_torch_inactive_split_bytes)
     findings = []
     for key, p in per_entity(proc, ["node", "gpu", "pid"]):
         t = p["t"].to_numpy(float)
         held = p[layer_col].to_numpy(float)
+        releasable = 0.0
+        if split:
+            reserved = held
+            held = p[M.process_torch_allocated_bytes].to_numpy(float) + \
+                p[M.process_torch_inactive_split_bytes].to_numpy(float)
+            ok = ~np.isnan(held)
+            releasable = max(float(reserved[ok][-1] - held[ok][-1]), 0.0) if ok.any() else 0.0
         if np.isnan(held).all():
             continue
         headroom, capacity = device_headroom_bytes(gpu, proc, key)
         if headroom is None:
             continue
+        headroom += releasable
         slope = rising_slope(t, held)
         if slope is None:
             continue
         tto = time_to_oom_s(slope, headroom)
         if tto >= TIME_TO_OOM_WARNING_S:
             continue
-        layer = "reserved" if layer_col == M.process_torch_reserved_bytes else "driver"
+        layer = NON_RELEASABLE if split else "reserved" if layer_col == M.process_torch_reserved_bytes else "driver"
         last = float(held[~np.isnan(held)][-1])
         findings.append(Finding(
             kind=KIND,
@@ -82,16 +109,20 @@ def analyze(window: Window) -> list[Finding]:
             start_s=float(t[0]), end_s=float(t[-1]), node=key.get("node"), gpu=label_int(key.get("gpu")),
             pid=label_int(key.get("pid")),
             summary=(f"{layer} memory of pid {label_int(key.get('pid'))} grows {fmt_bytes(slope)}/s with "
-                     f"{fmt_bytes(headroom)} left on the GPU: out of memory in about {fmt_seconds(tto)}"),
+                     f"{fmt_bytes(headroom)} left on the GPU"
+                     f"{f' (with {fmt_bytes(releasable)} of releasable cache)' if releasable else ''}: "
+                     f"out of memory in about {fmt_seconds(tto)}"),
             evidence=[
                 Evidence("time_to_oom_seconds", tto, None, TIME_TO_OOM_WARNING_S, "seconds"),
-                Evidence(_growth_column(layer_col), slope, 0.0, None, "bytes_per_second"),
-                Evidence(layer_col, last, None, capacity, "bytes"),
-                Evidence("gpu_memory_free_bytes", headroom, None, None, "bytes"),
+                Evidence("non_releasable_growth_bytes_per_second" if split else _growth_column(layer_col), slope,
+                         0.0, None, "bytes_per_second"),
+                Evidence("non_releasable_bytes" if split else layer_col, last, None, capacity, "bytes"),
+                Evidence("gpu_memory_free_bytes", headroom - releasable, None, None, "bytes"),
+                Evidence("releasable_cache_bytes", releasable, None, None, "bytes"),
             ],
             runbook=alert_name(KIND), fixes=list(FIX_NAMES),
             details={"time_to_oom_s": tto, "oom_at_s": float(t[-1]) + tto, "layer": layer,
-                     "growth_bytes_per_second": slope, "headroom_bytes": headroom},
+                     "growth_bytes_per_second": slope, "headroom_bytes": headroom, "releasable_bytes": releasable},
         ))
     return findings
 
@@ -105,9 +136,13 @@ def rising_slope(t: np.ndarray, y: np.ndarray) -> float | None:
     slope, tstat = linear_trend(t, y)
     if slope <= 0 or tstat < TREND_T_STAT:
         return None
-    half = t >= t[0] + (t[-1] - t[0]) / 2
-    late_slope, late_t = linear_trend(t[half], y[half])
-    if late_slope < SUSTAINED_SHARE * slope or late_t < TREND_T_STAT:
+    edges = t[0] + (t[-1] - t[0]) * np.array([1 / 3, 2 / 3])
+    first, middle, last = (linear_trend(t[sel], y[sel]) for sel in
+                           (t < edges[0], (t >= edges[0]) & (t < edges[1]), t >= edges[1]))
+    for third_slope, third_t in (middle, last):
+        if third_slope < SUSTAINED_SHARE * slope or third_t < TREND_T_STAT:
+            return None
+    if last[0] < SUSTAINED_SHARE * first[0]:
         return None
     return slope
 

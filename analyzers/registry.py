@@ -16,6 +16,8 @@ from . import (
     memory_fragmentation,
     memory_leak,
     oom_forecast,
+    prefix_cache_thrash,
+    queue_avalanche,
     throttling,
 )
 
@@ -29,6 +31,8 @@ ANALYZERS = {
     degenerate_kernel_launch.KIND: degenerate_kernel_launch.analyze,
     throttling.KIND: throttling.analyze,
     hardware_errors.KIND: hardware_errors.analyze,
+    queue_avalanche.KIND: queue_avalanche.analyze,
+    prefix_cache_thrash.KIND: prefix_cache_thrash.analyze,
     latency_regression.KIND: latency_regression.analyze,
 }
 

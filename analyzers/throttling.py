@@ -23,7 +23,7 @@ from gpudiag.findings import Evidence, Finding, Severity, alert_name
 from gpudiag.frames import Window
 from gpudiag.units import fmt_ratio
 
-from .common import episodes, label_int, per_entity
+from .common import dict_flag, episodes, label_int, per_entity
 
 KIND = "throttling"
 
@@ -45,7 +45,7 @@ FIX_NAMES: tuple[str, ...] = ()
 
 def analyze(window: Window) -> list[Finding]:
     """Throttling and overheating episodes per GPU."""
-    gpu = window.table("gpu")
+    gpu = window.rows("gpu")
     if gpu.empty:
         return []
     findings = []
@@ -95,9 +95,9 @@ def _reasons(g) -> dict[str, np.ndarray]:
     if M.gpu_clock_throttle_active not in g:
         return {}
     out = {}
-    values = g[M.gpu_clock_throttle_active].tolist()
+    values = g[M.gpu_clock_throttle_active]
     for reason in HEAT_OR_POWER_REASONS:
-        out[reason] = np.array([isinstance(v, dict) and bool(v.get(reason)) for v in values])
+        out[reason] = dict_flag(values, reason)
     return {r: m for r, m in out.items() if m.any()}
 
 

@@ -5,27 +5,36 @@ of bench_exporter's SyntheticNode (NVML-shaped GPU rows, 128 processes, one
 torch-instrumented process per GPU, engines, ~80 finished requests a second,
 CUDA-API rows) every wall second, through the real path: tracker join,
 LatestFrames, store (flushed every second), the 15-minute in-memory window
-(pre-filled, so its memory is at steady state from the start) with the
-streaming analyzers every 10 s, and /metrics scraped over HTTP every 15 s
-as Prometheus would.
+(pre-filled the way the agent fills it, ten seconds at a time, requests
+included, so its memory is at steady state from the start) with the streaming
+analyzers every 10 s, and /metrics scraped over HTTP every 15 s as Prometheus
+would.
 
 Prints:
   * agent CPU as % of one core (process CPU time per wall second), with and
     without the synthetic probe's own cost of making frames (which a real
-    NVML probe replaces with its own), goal <= 1 %;
-  * RSS at the start and the end of the run and its growth per hour, goal
+    NVML probe replaces with its own), goal <= 1 %; and per agent thread;
+  * RSS at the start and the end of the run, its maximum and its growth per
+    hour (least-squares slope over the samples, and end minus start), goal
     <= 150 MB and no growth; the window, store buffers and tracker history are
-    bounded, so growth means a leak;
+    bounded, so growth means a leak. ``--trace-rss`` prints the RSS every
+    five minutes;
   * store bytes per GPU-day (from the file's growth; short runs are rounded up
     by the not-yet-sealed fresh chunks), goal <= 25 MB;
-  * scrape latency (median and max), streaming analysis duration, flush duration.
+  * scrape latency (median and max), streaming analysis wall and CPU time
+    (median and max), flush duration.
 
-    .venv/bin/python bench/bench_agent.py [--minutes 3] [--gpus 8] [--processes-per-gpu 16]
+CPU time is the process's (``os.times``) and each thread's (``psutil``); wall
+times on a shared machine include time spent waiting for a core, CPU times do
+not. Run it pinned to one core: ``taskset -c 1``.
+
+    .venv/bin/python bench/bench_agent.py [--minutes 3] [--gpus 8] [--processes-per-gpu 16] [--trace-rss]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import statistics
@@ -45,6 +54,7 @@ from gpudiag.frames import Frame  # noqa: E402
 from gpudiag.probes.base import Probe  # noqa: E402
 
 SCRAPE_INTERVAL_S = 15.0
+SAMPLE_EVERY_S = 5.0
 
 
 class SyntheticNodeProbe(Probe):
@@ -65,14 +75,49 @@ class SyntheticNodeProbe(Probe):
 
 
 def rss_bytes() -> int:
+    """This process's resident memory."""
     import psutil
 
     return psutil.Process().memory_info().rss
 
 
 def cpu_seconds() -> float:
+    """This process's CPU time so far (user + system, every thread)."""
     t = os.times()
     return t.user + t.system
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds so far per live thread, by thread name."""
+    import psutil
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, float] = {}
+    for t in psutil.Process().threads():
+        name = names.get(t.id, "other")
+        out[name] = out.get(name, 0.0) + t.user_time + t.system_time
+    return out
+
+
+def slope_per_hour(samples: list[tuple[float, float]]) -> float:
+    """Least-squares slope of (seconds, bytes) samples, in bytes per hour."""
+    if len(samples) < 2:
+        return 0.0
+    ts = [t for t, _ in samples]
+    ys = [y for _, y in samples]
+    tm, ym = statistics.fmean(ts), statistics.fmean(ys)
+    sxx = sum((t - tm) ** 2 for t in ts)
+    return sum((t - tm) * (y - ym) for t, y in zip(ts, ys)) / sxx * 3600 if sxx else 0.0
+
+
+def prefill(agent: Agent, gpus: int, processes_per_gpu: int, window_s: float, interval_s: float) -> None:
+    """Fill the window as if the agent had run that long (back-dated seconds), converting as it would."""
+    filler = SyntheticNode(gpus=gpus, processes_per_gpu=processes_per_gpu, seed=2)
+    now = time.time()
+    for i in range(int(window_s)):
+        agent.window.add([Frame(f.kind, now - window_s + i, f.rows) for f in filler.frames()])
+        if (i + 1) % int(interval_s) == 0:
+            agent.window.window(agent.node)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,8 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--minutes", type=float, default=3.0, help="measured run (after a 30 s warm-up)")
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--processes-per-gpu", type=int, default=16)
+    ap.add_argument("--trace-rss", action="store_true", help="print the RSS every five minutes")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
 
     with tempfile.TemporaryDirectory() as tmp:
         node = SyntheticNode(gpus=args.gpus, processes_per_gpu=args.processes_per_gpu)
@@ -90,15 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = AgentConfig().with_overrides({"store.path": os.path.join(tmp, "timeline.db"),
                                             "exporter.listen": "127.0.0.1:0"})
         agent = Agent(cfg, probes=[("synthetic", probe, 1.0)], node=node.node)
-        # Fill the 15-minute window as if the agent had run that long (back-dated seconds).
         window_s = cfg.get("analyzers.window_s")
-        filler = SyntheticNode(gpus=args.gpus, processes_per_gpu=args.processes_per_gpu, seed=2)
-        now = time.time()
-        for i in range(int(window_s)):
-            agent.window.add([Frame(f.kind, now - window_s + i, f.rows) for f in filler.frames()
-                              if f.kind != "request"])
-        agent.window.window()  # convert once, as the analyzer would have by now
-        del filler
+        prefill(agent, args.gpus, args.processes_per_gpu, window_s, cfg.get("analyzers.interval_s"))
+        gc.collect()
         agent.start()
         url = agent.server.url
         scrapes: list[float] = []
@@ -111,24 +151,33 @@ def main(argv: list[str] | None = None) -> int:
                     resp.read()
                 scrapes.append((time.perf_counter() - t0) * 1000)
 
-        th = threading.Thread(target=scraper, daemon=True)
+        th = threading.Thread(target=scraper, name="bench-scraper", daemon=True)
         th.start()
         time.sleep(30)  # warm-up: imports, first analyses, first sealed chunk
         rss0, cpu0, wall0, busy0 = rss_bytes(), cpu_seconds(), time.monotonic(), probe.busy_s
+        threads0 = thread_cpu()
         size0 = agent.store.health()["db_bytes"] or 0
         analyses0 = agent.analyses
-        analysis_s, flush_s, rss_trace = [], [], []
+        analysis_s, analysis_cpu_s, flush_s, rss_trace = [], [], [], []
+        last_analysis = agent.analyses
         end = wall0 + args.minutes * 60
+        next_trace = wall0 + 300
         while time.monotonic() < end:
-            time.sleep(5)
-            if agent.analysis_seconds is not None:
+            time.sleep(SAMPLE_EVERY_S)
+            if agent.analyses != last_analysis and agent.analysis_seconds is not None:
+                last_analysis = agent.analyses
                 analysis_s.append(agent.analysis_seconds)
+                analysis_cpu_s.append(agent.analysis_cpu_seconds)
             h = agent.store.health()
             if h["last_flush_seconds"] is not None:
                 flush_s.append(h["last_flush_seconds"])
-            rss_trace.append(rss_bytes())
+            rss_trace.append((time.monotonic() - wall0, rss_bytes()))
+            if args.trace_rss and time.monotonic() >= next_trace:
+                next_trace += 300
+                print(f"  {(time.monotonic() - wall0) / 60:5.1f} min: RSS {rss_trace[-1][1] / 1e6:.0f} MB", flush=True)
         wall = time.monotonic() - wall0
         cpu = cpu_seconds() - cpu0
+        threads1 = thread_cpu()
         busy = probe.busy_s - busy0
         rss1 = rss_bytes()
         size1 = agent.store.health()["db_bytes"] or 0
@@ -137,12 +186,17 @@ def main(argv: list[str] | None = None) -> int:
         agent.stop()
 
     gpus = args.gpus
+    rss_max = max(r for _, r in rss_trace)
     print(f"node: {gpus} GPUs x {args.processes_per_gpu} processes, 1 s samples; measured {wall / 60:.1f} min "
           f"after a 30 s warm-up, window {window_s:g} s pre-filled")
     print(f"agent CPU: {100 * cpu / wall:.2f} % of one core in all; {100 * (cpu - busy) / wall:.2f} % without "
           f"the synthetic probe making frames ({100 * busy / wall:.2f} %)   goal <= 1 %")
-    print(f"agent RSS: {rss0 / 1e6:.0f} MB at start, {rss1 / 1e6:.0f} MB at end, max {max(rss_trace) / 1e6:.0f} MB; "
-          f"growth {(rss1 - rss0) / 1e6 / (wall / 3600):+.1f} MB/h   goal <= 150 MB, no growth")
+    per_thread = sorted(((name, v - threads0.get(name, 0.0)) for name, v in threads1.items()), key=lambda kv: -kv[1])
+    print("  by thread: " + ", ".join(f"{name} {100 * v / wall:.2f} %" for name, v in per_thread if v > 0.0005 * wall)
+          + " (the rest: short-lived HTTP handler threads)")
+    print(f"agent RSS: {rss0 / 1e6:.0f} MB at start, {rss1 / 1e6:.0f} MB at end, max {rss_max / 1e6:.0f} MB; "
+          f"growth {slope_per_hour(rss_trace) / 1e6:+.1f} MB/h (fit), {(rss1 - rss0) / 1e6:+.1f} MB in "
+          f"{wall / 60:.1f} min   goal <= 150 MB, no growth")
     print(f"store: {(size1 - size0) / (wall / 86400) / gpus / 1e6:.1f} MB per GPU-day from the file's growth "
           f"({(size1 - size0) / 1e6:.1f} MB in {wall / 60:.1f} min, fresh chunks not yet sealed count in full)"
           f"   goal <= 25 MB")
@@ -150,8 +204,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"scrape /metrics (in the running agent): median {statistics.median(scrapes):.1f} ms, "
               f"max {max(scrapes):.1f} ms over {len(scrapes)} scrapes   goal < 50 ms")
     if analysis_s:
-        print(f"streaming analysis: {analyses} runs, median {statistics.median(analysis_s) * 1000:.0f} ms, "
-              f"max {max(analysis_s) * 1000:.0f} ms per run over the {window_s:g} s window")
+        print(f"streaming analysis over the {window_s:g} s window: {analyses} runs, wall median "
+              f"{statistics.median(analysis_s) * 1000:.0f} ms (max {max(analysis_s) * 1000:.0f}), CPU median "
+              f"{statistics.median(analysis_cpu_s) * 1000:.0f} ms (max {max(analysis_cpu_s) * 1000:.0f}) per run")
     if flush_s:
         print(f"store flush: median {statistics.median(flush_s) * 1000:.1f} ms, max {max(flush_s) * 1000:.1f} ms")
     return 0

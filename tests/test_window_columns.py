@@ -1,0 +1,271 @@
+"""The agent's columnar windows (Table, TableBuffer, Rows) give the analyzers what DataFrames give them."""
+
+import json
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from gpudiag.agent.daemon import SlidingWindow
+from gpudiag.analyzers import common
+from gpudiag.analyzers.common import dict_flag, dict_keys, dict_total, labelled_total, per_entity, subset
+from gpudiag.analyzers.registry import ANALYZERS
+from gpudiag.catalog import M
+from gpudiag.frames import Frame, Rows, Table, TableBuffer, Window
+
+GiB, MiB = 1024**3, 1024**2
+NODE = "node-a"
+N = 1500
+
+
+def incident_frames(n: int = N) -> list[Frame]:
+    """A node of three GPUs with one incident each, plus a healthy engine, as 1 s frames.
+
+    GPU 0: an eviction storm with TPOT tripling; GPU 1: a driver-memory leak in a
+    process without a reporter, and a co-tenant next to the engine; GPU 2: power
+    capped at low clocks and hot, ECC errors and an XID coming up. Rows differ in
+    their keys, carry None, ints and floats in one column, dicts and lists, so the
+    columns are built the hard way.
+    """
+    rng = np.random.default_rng(7)
+    frames = []
+    evictions = [0, 0, 0]
+    tokens = [0, 0, 0]
+    for t in range(1, n + 1):
+        storm = 600 <= t < 1100
+        gpu_rows, proc_rows, eng_rows, req_rows, api_rows = [], [], [], [], []
+        for g in range(3):
+            hot = g == 2 and t > 300
+            gpu_rows.append({
+                "node": NODE, "gpu": g, "uuid": f"GPU-{g}",
+                M.gpu_utilization_ratio: float(np.clip(0.7 + (0.25 if storm and g == 0 and t % 20 < 10 else 0)
+                                                       + rng.normal(0, 0.03), 0, 1)),
+                M.gpu_memory_total_bytes: 80 * GiB,
+                M.gpu_memory_used_bytes: (60 + (t / 100 if g == 1 else 0)) * GiB,
+                M.gpu_sm_clock_hertz: 1.2e9 if hot else 1.98e9, M.gpu_sm_clock_max_hertz: 1.98e9,
+                M.gpu_temperature_celsius: 88 if hot else 60,
+                M.gpu_clock_throttle_active: {"gpu_idle": 0, "sw_power_cap": int(hot), "hw_slowdown": 0},
+                M.gpu_ecc_errors_total: {"volatile": {"corrected": (t // 5 if g == 2 else 0), "uncorrected": 0},
+                                         "aggregate": {"corrected": 3, "uncorrected": 0}},
+                M.gpu_xid_errors_total: ({"13": 1} if g == 2 and t > 900 else {}),
+                M.gpu_nvlink_errors_total: {"crc_flit": 0, "replay": (t // 50 if g == 2 else 0)},
+                M.gpu_pcie_replay_total: 0 if t % 7 else None,
+            })
+            for j in range(3):
+                pid = 1000 + 10 * g + j
+                row = {"node": NODE, "gpu": g, "uuid": f"GPU-{g}", "pid": pid,
+                       "process": "engine" if j == 0 else f"worker-{j}",
+                       M.process_cpu_utilization_ratio: round(float(rng.uniform(0.1, 0.5)), 2),
+                       M.process_thread_cpu_max_ratio: 0.3,
+                       M.process_context_switches_total: {"voluntary": 100 * t, "involuntary": t}}
+                if j == 0:
+                    row[M.process_torch_allocated_bytes] = 30 * GiB + int(rng.integers(0, 64)) * MiB
+                    row[M.process_torch_reserved_bytes] = 34 * GiB
+                    row[M.process_gpu_memory_bytes] = 35 * GiB
+                elif g == 1 and j == 1:
+                    row[M.process_gpu_memory_bytes] = 2 * GiB + 2 * MiB * t + float(rng.normal(0, MiB))
+                elif g == 1 and j == 2:
+                    row[M.process_gpu_memory_bytes] = 12 * GiB  # a co-tenant
+                else:
+                    row[M.process_gpu_memory_bytes] = 600 * MiB if t % 11 else None
+                if j == 2 and t % 13 == 0:
+                    row["top_threads"] = [{"name": "python3", "cpu_ratio": 0.4}]
+                proc_rows.append(row)
+            if storm and g == 0 and rng.random() < 0.3:
+                evictions[g] += 1
+            tokens[g] += 900
+            eng_rows.append({"node": NODE, "gpu": g, "engine": "engine",
+                             M.num_requests_running: 24, M.num_requests_waiting: 2,
+                             M.engine_kv_evictions_total: evictions[g], M.prompt_tokens_total: tokens[g],
+                             M.engine_recomputed_tokens_total: evictions[g] * 300,
+                             M.engine_kv_capacity_bytes: (20 if g == 1 else 30) * GiB,
+                             M.engine_kv_capacity_nominal_bytes: 30 * GiB,
+                             M.kv_cache_usage_perc: 0.8})
+            for _ in range(2):
+                tpot = float(rng.lognormal(-3.4, 0.2)) * (3 if storm and g == 0 else 1)
+                req_rows.append({"node": NODE, "gpu": g, "engine": "engine",
+                                 M.time_to_first_token_seconds: float(rng.lognormal(-2.5, 0.3)),
+                                 M.inter_token_latency_seconds: tpot,
+                                 M.e2e_request_latency_seconds: 200 * tpot})
+        api_rows.append({"node": NODE, "pid": 1000, M.cuda_kernel_launches_total: 1000 * t,
+                         M.cuda_degenerate_launches_total: (100 * (t - 500) if t > 500 else 0)})
+        frames += [Frame("gpu", float(t), gpu_rows), Frame("process", float(t), proc_rows),
+                   Frame("engine", float(t), eng_rows), Frame("request", float(t), req_rows),
+                   Frame("cuda_api", float(t), api_rows)]
+    return frames
+
+
+def findings_of(window: Window, old: bool = False) -> dict[str, list]:
+    """Every analyzer's findings as plain documents (``old``: on DataFrames, as before the columns)."""
+    def doc(f):
+        return json.loads(json.dumps(f.to_dict(), default=str).replace("NaN", '"nan"'))
+    saved = Window.rows
+    if old:
+        Window.rows = lambda self, kind: self.table(kind)
+    try:
+        return {kind: [doc(f) for f in analyze(window)] for kind, analyze in ANALYZERS.items()}
+    finally:
+        Window.rows = saved
+
+
+def columnar_window(frames: list[Frame], chunk_s: int = 10) -> Window:
+    """The frames the way the agent keeps them: 10 s chunks in TableBuffers (nothing dropped)."""
+    win = SlidingWindow(10 * len(frames))
+    for fr in frames:
+        win.add([fr])
+        if fr.kind == "cuda_api" and int(fr.t) % chunk_s == 0:
+            win.window(NODE)
+    return win.window(NODE)
+
+
+@pytest.fixture(scope="module")
+def frames():
+    return incident_frames()
+
+
+def test_every_analyzer_finds_the_same_on_the_agents_columns_as_on_dataframes(frames):
+    dataframes = Window.from_frames(frames, node=NODE)
+    before = findings_of(dataframes, old=True)
+    found = {kind for kind, fs in before.items() if fs}
+    # The incidents are there, so the comparison is not of empty lists.
+    assert {"kv_eviction_storm", "memory_leak", "gpu_cotenant", "throttling", "hardware_errors",
+            "degenerate_kernel_launch"} <= found
+    assert findings_of(dataframes) == before  # Rows over the DataFrames
+    assert findings_of(columnar_window(frames)) == before  # the agent's sliding columns
+
+
+def test_a_sliding_window_of_columns_equals_the_same_rows_as_dataframes(frames):
+    win = SlidingWindow(600)
+    for fr in frames:
+        win.add([fr])
+        if fr.kind == "cuda_api" and int(fr.t) % 10 == 0:
+            win.window(NODE)
+    w = win.window(NODE)
+    kept = [fr for fr in frames if fr.t > w.end_s - 600]
+    want = Window.from_frames(kept, node=NODE)
+    assert findings_of(w) == findings_of(want, old=True)
+    for kind in ("gpu", "process", "engine", "request", "cuda_api"):
+        got, exp = w.rows(kind), want.table(kind)
+        assert len(got) == len(exp) and got["t"].min() == exp["t"].min()
+        for col in exp.columns:
+            if col == "missing_reasons":
+                continue
+            a, b = got[col].tolist(), exp[col].tolist()
+            assert [_norm(x) for x in a] == [_norm(x) for x in b], (kind, col)
+
+
+def _norm(v):
+    """None and NaN both read as missing (pandas' string columns hold NaN for None)."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "missing"
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return v
+
+
+def test_columns_are_typed_as_pandas_types_them():
+    rows = [{"i": 1, "f": 1.5, "mix": 1, "b": True, "s": "a", "gap": 2, "d": {"x": 1}, "l": [1]},
+            {"i": 2, "f": None, "mix": 2.5, "b": False, "s": None, "d": None, "l": None},
+            {"i": 3, "f": 3.0, "mix": None, "b": True, "s": "c", "gap": 4, "d": {"x": 2, "y": {"z": 3}}}]
+    table = Table.from_frames([(float(k), [r]) for k, r in enumerate(rows)])
+    df = pd.DataFrame.from_records([{"t": float(k), **r} for k, r in enumerate(rows)])
+    for name in ("i", "f", "mix", "b", "gap"):
+        assert table.columns[name].dtype == df[name].dtype, name
+    assert table.columns["s"].dtype == object and table.frame()["s"].isna().tolist() == [False, True, False]
+    assert table.frame()["d"].tolist()[0] == {"x": 1} and table.frame()["d"].tolist()[2] == {"x": 2, "y": {"z": 3}}
+    assert table.frame()["l"].tolist()[0] == [1]
+
+
+def test_rows_answer_the_dataframe_operations_the_analyzers_use(frames):
+    df = Window.from_frames(frames, node=NODE).table("process")
+    rows = Rows(Table.from_frames([(fr.t, fr.rows) for fr in frames if fr.kind == "process"]))
+    col = M.process_gpu_memory_bytes
+    assert rows[col].isna().sum() == df[col].isna().sum()
+    assert rows[col].max() == df[col].max() and rows[col].min() == df[col].min()
+    assert rows[col].sum() == pytest.approx(df[col].sum()) and rows[col].mean() == pytest.approx(df[col].mean())
+    assert rows[col].dropna().iloc[-1] == df[col].dropna().iloc[-1]
+    assert rows[col].fillna(0).sum() == pytest.approx(df[col].fillna(0).sum())
+    hit = rows[rows["process"].astype(str).isin({"engine"})]
+    assert len(hit) == len(df[df["process"].astype(str).isin({"engine"})])
+    assert (rows["process"] == "worker-1").sum() == (df["process"] == "worker-1").sum()
+    assert (rows["pid"] != 1000).sum() == (df["pid"] != 1000).sum()
+    sel = rows[(rows["t"] >= 100) & (rows["t"] <= 200)]
+    assert len(sel) == len(df[(df["t"] >= 100) & (df["t"] <= 200)])
+    got = rows.groupby("pid")[col].max()
+    pd.testing.assert_series_equal(got, df.groupby("pid")[col].max(), check_index_type=False)
+    got = rows.groupby("t")[col].sum()
+    pd.testing.assert_series_equal(got, df.groupby("t")[col].sum(), check_index_type=False)
+    dedup = rows[["pid", "gpu"]].dropna(subset=["pid", "gpu"]).drop_duplicates()
+    assert list(dedup.itertuples(index=False)) == list(df[["pid", "gpu"]].dropna().drop_duplicates()
+                                                        .itertuples(index=False))
+    for (key, sub), (dkey, dsub) in zip(per_entity(rows, ["gpu", "pid"]), per_entity(df, ["gpu", "pid"])):
+        assert key == dkey and sub["t"].tolist() == dsub["t"].tolist()
+    assert len(subset(rows, {"node": NODE, "gpu": 1})) == len(subset(df, {"node": NODE, "gpu": 1}))
+    assert rows["top_threads"].dropna().iloc[0] == df["top_threads"].dropna().iloc[0]
+    assert rows.frame().shape == df.shape  # anything else is answered by pandas itself
+
+
+def test_dict_columns_read_per_leaf_give_the_totals_of_the_dicts(frames):
+    gpu = [(fr.t, fr.rows) for fr in frames if fr.kind == "gpu"]
+    rows, df = Rows(Table.from_frames(gpu)), Window.from_frames([fr for fr in frames if fr.kind == "gpu"]).table("gpu")
+    for col in (M.gpu_ecc_errors_total, M.gpu_nvlink_errors_total, M.gpu_xid_errors_total):
+        assert np.array_equal(labelled_total(rows[col]), labelled_total(df[col]), equal_nan=True), col
+        assert dict_keys(rows[col]) == dict_keys(df[col])
+    for args in (("volatile", "corrected"), ("aggregate", "uncorrected"), ("volatile", "missing")):
+        assert np.array_equal(dict_total(rows[M.gpu_ecc_errors_total], *args),
+                              dict_total(df[M.gpu_ecc_errors_total], *args), equal_nan=True)
+    assert np.array_equal(dict_total(rows[M.gpu_xid_errors_total], "13", default=0.0),
+                          dict_total(df[M.gpu_xid_errors_total], "13", default=0.0), equal_nan=True)
+    assert np.array_equal(dict_flag(rows[M.gpu_clock_throttle_active], "sw_power_cap"),
+                          dict_flag(df[M.gpu_clock_throttle_active], "sw_power_cap"))
+
+
+def test_a_buffer_that_slides_keeps_the_types_a_fresh_join_of_its_chunks_has():
+    def chunk(t0, rows):
+        return Table.from_frames([(t0 + k, [r]) for k, r in enumerate(rows)])
+    buf = TableBuffer()
+    ints = chunk(0, [{"gpu": 0, "n": 1}, {"gpu": 1, "n": 2}])
+    gap = chunk(10, [{"gpu": 0}, {"gpu": 1, "s": "x"}])  # "n" absent: float for a while; "s" appears
+    later = chunk(20, [{"gpu": 0, "n": 3}, {"gpu": 1, "n": 4, "s": "y"}])
+    for c in (ints, gap, later):
+        buf.append(c)
+    joined = Table.concat([ints, gap, later])
+    assert buf.table().columns["n"].dtype == joined.columns["n"].dtype == np.float64
+    buf.drop_until(15)  # the chunk without "n" has left: ints again, as a join of what is kept
+    assert buf.table().columns["n"].dtype == chunk(20, [{"n": 3}]).columns["n"].dtype == np.int64
+    assert [_norm(v) for v in buf.table().columns["s"].tolist()] == ["missing", "y"]
+    groups = Rows(buf.table()).groups(("gpu",))
+    assert [(k, sub["n"].tolist()) for k, sub in groups] == [((0,), [3]), ((1,), [4])]
+
+
+def test_entity_groups_kept_by_the_buffer_match_a_sort_of_the_window():
+    rng = np.random.default_rng(3)
+    buf = TableBuffer()
+    kept = []
+    for c in range(30):
+        ticks = [(c * 10 + k, [{"gpu": int(g), "pid": int(p), "v": float(rng.random())}
+                               for g, p in rng.integers(0, 4, size=(int(rng.integers(1, 6)), 2))])
+                 for k in range(10)]
+        buf.append(Table.from_frames(ticks))
+        kept.append(ticks)
+        if c >= 5:
+            buf.drop_until((c - 5) * 10 + 4.5)
+        table = buf.table()
+        fresh = Table(table.n, dict(table.columns))
+        got, want = table.groups(("gpu", "pid")), fresh.groups(("gpu", "pid"))
+        assert got[0] == want[0]
+        assert all(np.array_equal(a, b) for a, b in zip(got[1], want[1]))
+
+
+def test_the_fast_percentile_is_numpys_linear_percentile_to_the_last_bit():
+    rng = np.random.default_rng(11)
+    for trial in range(3000):
+        n = int(rng.integers(1, 400))
+        x = rng.lognormal(-3, 1, n) if trial % 2 else rng.integers(0, 4, n).astype(float)
+        x[rng.random(n) < 0.1] = np.nan
+        clean = x[~np.isnan(x)]
+        for q in (0, 1, 50, 90, 99, 99.9, 100, float(rng.uniform(0, 100))):
+            want = float(np.percentile(clean, q)) if clean.size else float("nan")
+            got = common.percentile(x, q)
+            assert got == want or (math.isnan(got) and math.isnan(want)), (n, q)
