@@ -169,12 +169,15 @@ def test_the_storm_finding_opens_during_the_long_phase_and_is_resolved_after_it(
         storms = [d for d in store.findings(0, float("inf"), kinds=[STORM])]
     a, b = STORM_LONG_PHASE
     assert storms, "no kv_eviction_storm finding stored"
-    main = max(storms, key=lambda d: d["end_s"] - d["start_s"] if d["end_s"] else 0)
-    assert a <= main["start_s"] - t0 <= b
-    assert a <= main["opened_at_s"] - t0 <= b, "the storm was first reported outside the long phase"
-    assert main["state"] == "resolved" and main["end_s"] is not None
-    assert b - 300 <= main["end_s"] - t0 <= b + 600
-    assert main["resolved_at_s"] > main["opened_at_s"]
+    # The storm may come in more than one episode; every one starts in the long phase, and the
+    # last is resolved once the phase is over.
+    for d in storms:
+        assert a <= d["start_s"] - t0 <= b
+        assert a <= d["opened_at_s"] - t0 <= b, "a storm was first reported outside the long phase"
+        assert d["state"] == "resolved" and d["end_s"] is not None
+        assert d["resolved_at_s"] > d["opened_at_s"]
+    last = max(storms, key=lambda d: d["end_s"])
+    assert b - 300 <= last["end_s"] - t0 <= b + 600
     # The exporter showed it while it was open, and not once the storm was over.
     assert any(active for _, active in storm_agent["scrapes"])
     late = [s for s in storm_agent["late_scrape"].get("gpudiag_finding_active", []) if s.labels["kind"] == STORM]

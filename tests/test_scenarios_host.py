@@ -247,7 +247,10 @@ def test_decode_slows_down_after_the_upgrade_while_time_to_first_token_stays(deg
     before, after = ph["before"]["slo"], ph["after-upgrade"]["slo"]
     assert after["tpot_p50_s"] >= 2.5 * before["tpot_p50_s"]
     assert after["tpot_p99_s"] >= 3.0 * before["tpot_p99_s"]
-    assert after["ttft_p50_s"] <= 1.5 * before["ttft_p50_s"]
+    # A new request still waits for the decode step in flight, which is now slower: TTFT moves
+    # a little, not like decode.
+    assert after["ttft_p50_s"] <= 2.0 * before["ttft_p50_s"]
+    assert after["ttft_p50_s"] / before["ttft_p50_s"] < 0.8 * after["tpot_p50_s"] / before["tpot_p50_s"]
     # The GPU is busier, not idler: it spends the time in the one-block kernel.
     assert ph["after-upgrade"]["gpu_util_mean"] > ph["before"]["gpu_util_mean"] + 0.1
     rows = attention_rows(degenerate)
