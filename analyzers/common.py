@@ -39,17 +39,29 @@ def per_entity(df: pd.DataFrame | Rows, keys: list[str]):
         yield dict(zip(present, key)), sub.sort_values("t")
 
 
-def windowed_rate(t: np.ndarray, counter: np.ndarray, window_s: float) -> np.ndarray:
-    """Increase of a cumulative counter per second over the trailing ``window_s``.
+def windowed_increase(t: np.ndarray, counter: np.ndarray, window_s: float) -> np.ndarray:
+    """Increase of a cumulative counter over the trailing ``window_s`` at each sample.
 
-    Counter resets (a restart) are treated as a new start, as Prometheus' rate() does.
+    Counter resets (a restart) are treated as a new start, as Prometheus' increase() does.
     """
     inc = np.diff(counter, prepend=counter[:1])
-    inc = np.where(inc < 0, counter, inc)
-    csum = np.cumsum(inc)
+    csum = np.cumsum(np.where(inc < 0, counter, inc))
     start = np.searchsorted(t, t - window_s, side="left")
-    span = np.maximum(t - t[start], 1.0)
-    return (csum - csum[start]) / span
+    return csum - csum[start]
+
+
+def windowed_rate(t: np.ndarray, counter: np.ndarray, window_s: float) -> np.ndarray:
+    """Increase of a cumulative counter per second over the trailing ``window_s`` (resets restart it)."""
+    start = np.searchsorted(t, t - window_s, side="left")
+    return windowed_increase(t, counter, window_s) / np.maximum(t - t[start], 1.0)
+
+
+def held_counter(rows, column: str) -> np.ndarray:
+    """A counter column as floats; a sample without it (a scrape that missed it) holds the last value,
+    and an absent column reads as zeros."""
+    if column not in rows:
+        return np.zeros(len(rows))
+    return rows[column].astype(float).ffill().fillna(0.0).to_numpy(float)
 
 
 def rolling_std(t: np.ndarray, x: np.ndarray, window_s: float) -> np.ndarray:

@@ -32,7 +32,16 @@ from gpudiag.catalog import M
 from gpudiag.findings import Evidence, Finding, Severity, alert_name
 from gpudiag.frames import Window
 
-from .common import counter_increase, episodes, label_int, per_entity, percentile, subset
+from .common import (
+    counter_increase,
+    episodes,
+    held_counter,
+    label_int,
+    per_entity,
+    percentile,
+    subset,
+    windowed_increase,
+)
 
 KIND = "prefix_cache_thrash"
 
@@ -62,16 +71,16 @@ def analyze(window: Window) -> list[Finding]:
     findings = []
     for key, e in per_entity(eng, ["node", "gpu"]):
         t = e["t"].to_numpy(float)
-        queries = _col(e, M.prefix_cache_queries_total)
-        refetched = _col(e, M.engine_prefix_cache_recomputed_tokens_total)
+        queries = held_counter(e, M.prefix_cache_queries_total)
+        refetched = held_counter(e, M.engine_prefix_cache_recomputed_tokens_total)
         share = _trailing_ratio(t, refetched, queries, RATE_WINDOW_S)
         spans = episodes(t, share >= REFETCH_SHARE_THRESHOLD, MERGE_GAP_S, MIN_DURATION_S)
         if not spans:
             continue
         spans = [(max(float(t[0]), a - RATE_WINDOW_S), float(b)) for a, b in spans]
         reqs = subset(req, key)
-        hits = _col(e, M.prefix_cache_hits_total)
-        evictions = _col(e, M.engine_prefix_cache_evictions_total)
+        hits = held_counter(e, M.prefix_cache_hits_total)
+        evictions = held_counter(e, M.engine_prefix_cache_evictions_total)
         base_hit = _ratio_outside(t, hits, queries, spans)
         for start, end in spans:
             sel = (t >= start) & (t <= end)
@@ -104,24 +113,9 @@ def analyze(window: Window) -> list[Finding]:
     return findings
 
 
-def _col(e, col) -> np.ndarray:
-    if col not in e:
-        return np.zeros(len(e))
-    # A sample without the counter (a scrape that missed it) holds its last value.
-    return e[col].astype(float).ffill().fillna(0.0).to_numpy(float)
-
-
-def _increase(t, counter, window_s):
-    """Increase of a cumulative counter over the trailing window at each sample (resets restart it)."""
-    inc = np.diff(counter, prepend=counter[:1])
-    csum = np.cumsum(np.where(inc < 0, counter, inc))
-    start = np.searchsorted(t, t - window_s, side="left")
-    return csum - csum[start]
-
-
 def _trailing_ratio(t, num, den, window_s):
-    d = _increase(t, den, window_s)
-    n = _increase(t, num, window_s)
+    d = windowed_increase(t, den, window_s)
+    n = windowed_increase(t, num, window_s)
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(d > 0, n / np.where(d > 0, d, 1.0), 0.0)
 

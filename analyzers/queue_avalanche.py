@@ -30,7 +30,16 @@ from gpudiag.catalog import M
 from gpudiag.findings import Evidence, Finding, Severity, alert_name
 from gpudiag.frames import Window
 
-from .common import counter_increase, episodes, label_int, per_entity, percentile, subset, windowed_rate
+from .common import (
+    counter_increase,
+    episodes,
+    held_counter,
+    label_int,
+    per_entity,
+    percentile,
+    subset,
+    windowed_rate,
+)
 
 KIND = "queue_avalanche"
 
@@ -61,8 +70,8 @@ def analyze(window: Window) -> list[Finding]:
     findings = []
     for key, e in per_entity(eng, ["node", "gpu"]):
         t = e["t"].to_numpy(float)
-        timeouts = _col(e, M.engine_requests_timed_out_total)
-        restarts = _col(e, M.engine_restarts_total)
+        timeouts = held_counter(e, M.engine_requests_timed_out_total)
+        restarts = held_counter(e, M.engine_restarts_total)
         rate = windowed_rate(t, timeouts, RATE_WINDOW_S)
         restarted = windowed_rate(t, restarts, RATE_WINDOW_S) > 0
         spans = episodes(t, (rate >= TIMEOUT_RATE_THRESHOLD) | restarted, MERGE_GAP_S, MIN_DURATION_S)
@@ -76,12 +85,12 @@ def analyze(window: Window) -> list[Finding]:
             sel = (t >= start) & (t <= end)
             n_timeouts = counter_increase(timeouts[sel])
             n_restarts = counter_increase(restarts[sel])
-            n_rejected = counter_increase(_col(e, M.engine_requests_rejected_total)[sel])
+            n_rejected = counter_increase(held_counter(e, M.engine_requests_rejected_total)[sel])
             shed = n_rejected / (n_rejected + n_timeouts) if n_rejected + n_timeouts > 0 else 0.0
             if shed >= MAX_SHED_SHARE:
                 continue
             goodput = _goodput(e, sel)
-            waiting = _col(e, M.num_requests_waiting)[sel]
+            waiting = held_counter(e, M.num_requests_waiting)[sel]
             max_waiting = float(np.nanmax(waiting)) if np.isfinite(waiting).any() else float("nan")
             queue_p99 = _queue_p99(reqs, start, end)
             critical = n_restarts > 0 or (not np.isnan(goodput) and goodput < CRITICAL_GOODPUT_RATIO)
@@ -108,22 +117,16 @@ def analyze(window: Window) -> list[Finding]:
     return findings
 
 
-def _col(e, col) -> np.ndarray:
-    if col not in e:
-        return np.zeros(len(e))
-    # A sample without the counter (a scrape that missed it) holds its last value.
-    return e[col].astype(float).ffill().fillna(0.0).to_numpy(float)
-
-
 def _goodput(e, sel) -> float:
-    arrived = counter_increase(_col(e, M.engine_requests_arrived_total)[sel])
-    finished = counter_increase(_col(e, M.engine_requests_finished_total)[sel])
+    arrived = counter_increase(held_counter(e, M.engine_requests_arrived_total)[sel])
+    finished = counter_increase(held_counter(e, M.engine_requests_finished_total)[sel])
     return finished / arrived if arrived > 0 else float("nan")
 
 
 def _goodput_outside(e, t, spans) -> float:
     """Goodput of the samples outside every episode: the whole window's increases less the episodes'."""
-    arrived, finished = _col(e, M.engine_requests_arrived_total), _col(e, M.engine_requests_finished_total)
+    arrived = held_counter(e, M.engine_requests_arrived_total)
+    finished = held_counter(e, M.engine_requests_finished_total)
     a, f = counter_increase(arrived), counter_increase(finished)
     for start, end in spans:
         sel = (t >= start) & (t <= end)

@@ -92,6 +92,37 @@ class EngineConfig:
             self.leak.validate()
 
 
+def engine_metrics(sched: Scheduler, kv, *, prompt_tokens_total: int, generation_tokens_total: int,
+                   last_batch: int, kv_nominal_bytes: int, finished_total: int, arrived_total: int) -> dict:
+    """The engine row's scheduler and KV figures in catalog columns (vLLM's dialect and gpudiag's own).
+
+    Shared by the simulated and the real-tensor engine. The failed-request size is "in the last
+    interval": reading it resets it.
+    """
+    st = sched.stats
+    failed, st.largest_failed_bytes = st.largest_failed_bytes, 0
+    return {
+        M.num_requests_running: len(sched.running),
+        M.num_requests_waiting: len(sched.waiting),
+        M.kv_cache_usage_perc: kv.usage_ratio,
+        M.num_preemptions_total: st.evictions,
+        M.prompt_tokens_total: prompt_tokens_total,
+        M.generation_tokens_total: generation_tokens_total,
+        M.engine_batch_size: last_batch,
+        M.engine_kv_evictions_total: st.evictions,
+        M.engine_recomputed_tokens_total: st.recomputed_tokens,
+        M.engine_kv_alloc_failures_total: st.alloc_failures,
+        M.engine_kv_failed_request_bytes: failed,
+        M.engine_kv_capacity_bytes: kv.capacity_bytes,
+        M.engine_kv_capacity_nominal_bytes: kv_nominal_bytes,
+        M.engine_kv_used_bytes: kv.used_bytes,
+        M.engine_kv_reserved_bytes: kv.reserved_bytes,
+        M.engine_requests_finished_total: finished_total,
+        M.engine_requests_arrived_total: arrived_total,
+        **kv.cache_metrics(),
+    }
+
+
 class VirtualClock:
     """Simulated time. ``speed=None`` runs as fast as possible; a number paces it to wall time."""
 
@@ -406,30 +437,13 @@ class SimEngine:
             M.process_thread_cpu_max_ratio: min(1.0, host_busy + 0.005),
             **self._engine_thread(host_busy),
         }, *self._cotenant_rows(labels)])
-        st = self.sched.stats
-        failed = st.largest_failed_bytes
-        st.largest_failed_bytes = 0
         yield Frame("engine", t, [{
             "node": self.node, "gpu": self.gpu_index, "engine": ENGINE_PROCESS,
-            M.num_requests_running: len(self.sched.running),
-            M.num_requests_waiting: len(self.sched.waiting),
-            M.kv_cache_usage_perc: self.kv.usage_ratio,
-            M.num_preemptions_total: st.evictions,
-            M.prompt_tokens_total: self.prompt_tokens_total,
-            M.generation_tokens_total: self.generation_tokens_total,
-            M.engine_batch_size: self.last_batch,
-            M.engine_kv_evictions_total: st.evictions,
-            M.engine_recomputed_tokens_total: st.recomputed_tokens,
-            M.engine_kv_alloc_failures_total: st.alloc_failures,
-            M.engine_kv_failed_request_bytes: failed,
-            M.engine_kv_capacity_bytes: self.kv.capacity_bytes,
-            M.engine_kv_capacity_nominal_bytes: self._kv_nominal_bytes,
-            M.engine_kv_used_bytes: self.kv.used_bytes,
-            M.engine_kv_reserved_bytes: self.kv.reserved_bytes,
-            M.engine_requests_finished_total: len(self.finished),
-            M.engine_requests_arrived_total: self._next_arrival,
+            **engine_metrics(self.sched, self.kv, prompt_tokens_total=self.prompt_tokens_total,
+                             generation_tokens_total=self.generation_tokens_total, last_batch=self.last_batch,
+                             kv_nominal_bytes=self._kv_nominal_bytes, finished_total=len(self.finished),
+                             arrived_total=self._next_arrival),
             **self._preprocess_sample(second),
-            **self.kv.cache_metrics(),
             **(self.frontend.metrics(t) if self.frontend is not None else {}),
             **({M.engine_requests_failed_total: self.failed_total} if self.leak is not None else {}),
         }])

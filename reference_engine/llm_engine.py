@@ -32,6 +32,7 @@ from gpudiag.catalog import M
 from gpudiag.errors import GpudiagError
 from gpudiag.frames import Frame
 from gpudiag.reference_engine.allocator import get_allocation_size, round_size
+from gpudiag.reference_engine.engine import engine_metrics
 from gpudiag.reference_engine.gpu_specs import spec as gpu_spec
 from gpudiag.reference_engine.kv_manager import KVConfig, make_kv_manager
 from gpudiag.reference_engine.model_config import ModelConfig, load_model_config
@@ -412,29 +413,11 @@ class LLMEngine:
 
     def engine_row(self) -> dict:
         """The engine's figures in catalog columns (vLLM's dialect and gpudiag's own)."""
-        st = self.sched.stats
-        failed, st.largest_failed_bytes = st.largest_failed_bytes, 0  # "in the last interval": since the last row
-        return {
-            **self.labels(),
-            M.num_requests_running: len(self.sched.running),
-            M.num_requests_waiting: len(self.sched.waiting),
-            M.kv_cache_usage_perc: self.kv.usage_ratio,
-            M.num_preemptions_total: st.evictions,
-            M.prompt_tokens_total: self.prompt_tokens_total,
-            M.generation_tokens_total: self.generation_tokens_total,
-            M.engine_batch_size: self.last_batch,
-            M.engine_kv_evictions_total: st.evictions,
-            M.engine_recomputed_tokens_total: st.recomputed_tokens,
-            M.engine_kv_alloc_failures_total: st.alloc_failures,
-            M.engine_kv_failed_request_bytes: failed,
-            M.engine_kv_capacity_bytes: self.kv.capacity_bytes,
-            M.engine_kv_capacity_nominal_bytes: self._kv_nominal_bytes,
-            M.engine_kv_used_bytes: self.kv.used_bytes,
-            M.engine_kv_reserved_bytes: self.kv.reserved_bytes,
-            M.engine_requests_finished_total: self.finished_total,
-            M.engine_requests_arrived_total: self.arrived_total,
-            **self.kv.cache_metrics(),
-        }
+        return {**self.labels(), **engine_metrics(
+            self.sched, self.kv, prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total, last_batch=self.last_batch,
+            kv_nominal_bytes=self._kv_nominal_bytes, finished_total=self.finished_total,
+            arrived_total=self.arrived_total)}
 
     def driver_bytes(self) -> int | None:
         """Black: device memory the driver charges this process (sim/cpu: the model's; cuda: NVML's)."""
