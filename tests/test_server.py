@@ -371,3 +371,19 @@ def test_sigterm_mid_load_drains_every_in_flight_request_and_exits_0(tmp_path):
         assert not list(server.runtime_dir.glob("torch-*.json"))  # the report goes with the process
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--device", "tpu"], "unknown device"),
+    (["--port", "99999"], "--port must be in 0..65535"),
+    (["--port", "0", "--model-config", "/nonexistent.json"], "cannot read model config"),
+    (["--port", "0", "--kv-strategy", "foo"], "unknown KV strategy"),
+    (["--port", "0", "--block-size", "0"], "block size must be a positive"),
+    (["--port", "0", "--checkpoint", "/nonexistent.safetensors"], "cannot read /nonexistent.safetensors"),
+])
+def test_bad_serve_options_are_one_error_line_and_exit_2(cli, args, message):
+    out = cli("engine", "serve", *args, timeout=120)
+    assert out.returncode == 2, out.stderr
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("gpudiag: error:")]
+    assert len(errors) == 1 and message in errors[0], out.stderr
+    assert "Traceback" not in out.stderr and out.stdout == ""
