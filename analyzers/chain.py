@@ -30,33 +30,41 @@ LINK_SLACK_S = 300.0
 
 def assemble(findings: list[Finding]) -> list[Finding]:
     """Set ``caused_by`` from the declared relations and order the findings root cause first."""
-    by_id = {}
-    for f in findings:
-        by_id[f.id] = f
-    for effect in findings:
-        for cause in findings:
-            if cause is effect or effect.kind not in CAUSES.get(cause.kind, ()):
-                continue
-            if (cause.node, cause.gpu) != (effect.node, effect.gpu):
-                continue
-            if cause.start_s <= effect.end_s and cause.end_s >= effect.start_s - LINK_SLACK_S:
-                if cause.id not in effect.caused_by:
-                    effect.caused_by.append(cause.id)
+    ids = [f.id for f in findings]
+    by_id = dict(zip(ids, findings))
+    # Candidates meet only on the same node and GPU: pair within those groups, not all with all.
+    groups: dict[tuple, list[int]] = {}
+    for i, f in enumerate(findings):
+        groups.setdefault((f.node, f.gpu), []).append(i)
+    for members in groups.values():
+        for e in members:
+            effect = findings[e]
+            for c in members:
+                cause = findings[c]
+                if c == e or effect.kind not in CAUSES.get(cause.kind, ()):
+                    continue
+                if cause.start_s <= effect.end_s and cause.end_s >= effect.start_s - LINK_SLACK_S:
+                    if ids[c] not in effect.caused_by:
+                        effect.caused_by.append(ids[c])
+    by_time = sorted(range(len(findings)), key=lambda i: (findings[i].start_s, findings[i].kind))
+    effects: dict[str, list[int]] = {}  # cause id -> its effects, in time order
+    for i in by_time:
+        for cid in findings[i].caused_by:
+            effects.setdefault(cid, []).append(i)
     ordered: list[Finding] = []
     seen: set[str] = set()
 
-    def visit(f: Finding) -> None:
-        if f.id in seen:
+    def visit(i: int) -> None:
+        if ids[i] in seen:
             return
-        seen.add(f.id)
-        ordered.append(f)
-        for g in sorted(findings, key=lambda x: (x.start_s, x.kind)):
-            if f.id in g.caused_by:
-                visit(g)
+        seen.add(ids[i])
+        ordered.append(findings[i])
+        for j in effects.get(ids[i], ()):
+            visit(j)
 
-    roots = [f for f in findings if not any(c in by_id for c in f.caused_by)]
-    for f in sorted(roots, key=lambda x: (-x.severity.rank, x.start_s, x.kind)):
-        visit(f)
-    for f in sorted(findings, key=lambda x: (x.start_s, x.kind)):
-        visit(f)
+    roots = [i for i, f in enumerate(findings) if not any(c in by_id for c in f.caused_by)]
+    for i in sorted(roots, key=lambda i: (-findings[i].severity.rank, findings[i].start_s, findings[i].kind)):
+        visit(i)
+    for i in by_time:
+        visit(i)
     return ordered

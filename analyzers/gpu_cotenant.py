@@ -50,42 +50,55 @@ def analyze(window: Window) -> list[Finding]:
     """Co-tenant processes on an engine's GPU, with the KV capacity they cost it."""
     proc, eng, gpu = window.rows("process"), window.rows("engine"), window.rows("gpu")
     if proc.empty or eng.empty or not window.has("process", M.process_gpu_memory_bytes) \
-            or not window.has("engine", M.engine_kv_capacity_bytes):
+            or not window.has("engine", M.engine_kv_capacity_bytes) or "pid" not in proc:
         return []
+    # The processes of each GPU, one entity each: their rows are read once and shared with the
+    # other per-process analyzers, never gathered per GPU.
+    on_gpu: dict[tuple, list[_Process]] = {}
+    for key, p in per_entity(proc, ["node", "gpu", "pid"]):
+        if _isna(key.get("pid")):
+            continue
+        mem = p[M.process_gpu_memory_bytes].to_numpy(float)
+        ok = ~np.isnan(mem)
+        if ok.any():
+            on_gpu.setdefault((key.get("node"), key.get("gpu")), []).append(_Process(key, p, mem, ok))
     findings = []
     for key, e in per_entity(eng, ["node", "gpu"]):
-        procs = subset(proc, key)
-        procs = procs[procs[M.process_gpu_memory_bytes].notna()] if not procs.empty else procs
-        if procs.empty or "pid" not in procs:
+        procs = _processes(on_gpu, key)
+        if not procs:
             continue
         engine_pid = _engine_pid(e, procs)
         total = _device_bytes(gpu, key)
         min_bytes = COTENANT_MIN_RATIO * total if total else COTENANT_MIN_RATIO * 80 * 1024**3
-        others = procs[procs["pid"] != engine_pid] if engine_pid is not None else procs
-        others = others[others[M.process_gpu_memory_bytes] >= min_bytes]
-        if others.empty:
+        others = [q for q in procs if q.pid != engine_pid]
+        rows = [(q, np.flatnonzero(q.ok & (np.nan_to_num(q.mem) >= min_bytes))) for q in others]
+        rows = [(q, at) for q, at in rows if at.size]
+        if not rows:
             continue
-        held = others.groupby("t")[M.process_gpu_memory_bytes].sum()
+        held_t, held = _held_by_t([q.t[at] for q, at in rows], [q.mem[at] for q, at in rows])
         t = e["t"].to_numpy(float)
         kv = e[M.engine_kv_capacity_bytes].to_numpy(float)
-        cot = held.reindex(t, method="nearest", tolerance=2.0).to_numpy(float)
-        cot = np.nan_to_num(cot)
+        cot = np.nan_to_num(_nearest(held_t, held, t, tolerance=2.0))
         nominal = _nominal(e, kv, cot)
         ratio = np.where(nominal > 0, kv / np.maximum(nominal, 1.0), 1.0)
         mask = (cot > 0) & (ratio <= KV_BELOW_NOMINAL_RATIO)
         for start, end in episodes(t, mask, MERGE_GAP_S, MIN_DURATION_S):
             sel = (t >= start) & (t <= end)
-            inside = others[(others["t"] >= start) & (others["t"] <= end)]
-            top = inside.groupby("pid")[M.process_gpu_memory_bytes].max().sort_values(ascending=False)
-            pid = int(top.index[0])
-            name = _name(inside, pid)
+            top = []  # (most held inside the episode, pid, its last name there)
+            for q, at in rows:
+                ts = q.t[at]
+                inside = at[(ts >= start) & (ts <= end)]
+                if inside.size:
+                    top.append((float(q.mem[inside].max()), q.pid, q.name_at(inside)))
+            top.sort(key=lambda x: -x[0])
+            held_max, pid, name = top[0]
             worst = float(ratio[sel].min())
             i = int(np.argmin(np.where(sel, ratio, np.inf)))
             findings.append(Finding(
                 kind=KIND, severity=Severity.CRITICAL if worst <= KV_CRITICAL_RATIO else Severity.WARNING,
                 start_s=float(start), end_s=float(end), node=key.get("node"), gpu=label_int(key.get("gpu")),
                 pid=pid,
-                summary=(f"pid {pid}{f' ({name})' if name else ''} holds {fmt_bytes(top.iloc[0])} on the engine's "
+                summary=(f"pid {pid}{f' ({name})' if name else ''} holds {fmt_bytes(held_max)} on the engine's "
                          f"GPU {label_int(key.get('gpu'))}; KV capacity {fmt_bytes(kv[i])} vs "
                          f"{fmt_bytes(nominal[i])} nominal ({worst:.0%})"),
                 evidence=[
@@ -95,24 +108,121 @@ def analyze(window: Window) -> list[Finding]:
                     Evidence("kv_capacity_of_nominal_ratio", worst, 1.0, KV_BELOW_NOMINAL_RATIO, "ratio"),
                 ],
                 runbook=alert_name(KIND), fixes=list(FIX_NAMES),
-                details={"cotenant_pids": [int(p) for p in top.index], "engine_pid": engine_pid,
+                details={"cotenant_pids": [p for _, p, _ in top], "engine_pid": engine_pid,
                          "nominal_kv_capacity_bytes": float(nominal[i]), "nominal_source": _source(e)},
             ))
     return findings
 
 
-def _engine_pid(e, procs):
+class _Process:
+    """One pid on one GPU: its rows, driver-charged memory and which of them hold a value."""
+
+    __slots__ = ("key", "rows", "pid", "mem", "ok", "_t")
+
+    def __init__(self, key: dict, rows, mem: np.ndarray, ok: np.ndarray):
+        self.key, self.rows, self.mem, self.ok = key, rows, mem, ok
+        self.pid = int(key["pid"])
+        self._t = None
+
+    @property
+    def t(self) -> np.ndarray:
+        if self._t is None:
+            self._t = self.rows["t"].to_numpy(float)
+        return self._t
+
+    def last_where(self, mask: np.ndarray) -> float:
+        """Time of the last sample (with memory) where ``mask`` holds; -inf when none."""
+        at = np.flatnonzero(mask & self.ok)
+        return float(self.t[at[-1]]) if at.size else -np.inf
+
+    def name_at(self, at: np.ndarray) -> str | None:
+        """The last process name among rows ``at``."""
+        if "process" not in self.rows:
+            return None
+        codes, uniques = self._codes()
+        named = at[codes[at] >= 0]
+        return str(uniques[codes[named[-1]]]) if named.size else None
+
+    def _codes(self):
+        col = self.rows["process"]
+        got = col.codes() if hasattr(col, "codes") and callable(col.codes) else None  # pandas: none kept
+        if got is None:
+            values = self.rows["process"].to_numpy()
+            uniques = sorted({str(v) for v in values if v is not None and v == v})
+            lut = {u: i for i, u in enumerate(uniques)}
+            got = (np.array([lut.get(str(v), -1) if v is not None and v == v else -1 for v in values]), uniques)
+        return got
+
+
+def _processes(on_gpu: dict[tuple, list[_Process]], key: dict) -> list[_Process]:
+    """The processes on the engine's GPU (a label the engine rows lack matches any)."""
+    node, gpu_label = key.get("node"), key.get("gpu")
+    out = []
+    for (n, g), procs in on_gpu.items():
+        if _same(n, node) and _same(g, gpu_label):
+            out.extend(procs)
+    return out
+
+
+def _engine_pid(e, procs: list[_Process]):
+    """The engine's pid: stated on its rows, else the process named as the engine, else the one with torch columns."""
     if "pid" in e and e["pid"].notna().any():
         return int(e["pid"].dropna().iloc[-1])
-    if "engine" in e and "process" in procs:
-        names = set(e["engine"].dropna().astype(str))
-        hit = procs[procs["process"].astype(str).isin(names)]
-        if not hit.empty:
-            return int(hit["pid"].iloc[-1])
+    if "engine" in e:
+        names = _labels(e["engine"])
+        best = max(((q.last_where(_named(q, names)), q.pid) for q in procs if "process" in q.rows),
+                    default=(-np.inf, None))
+        if best[0] > -np.inf:
+            return best[1]
     for col in (M.process_torch_reserved_bytes, M.process_torch_allocated_bytes):
-        if col in procs and procs[col].notna().any():
-            return int(procs[procs[col].notna()]["pid"].iloc[-1])
+        best = max(((q.last_where(q.rows[col].notna().to_numpy()), q.pid) for q in procs if col in q.rows),
+                   default=(-np.inf, None))
+        if best[0] > -np.inf:
+            return best[1]
     return None
+
+
+def _named(q: _Process, names: set[str]) -> np.ndarray:
+    codes, uniques = q._codes()
+    lut = np.array([str(u) in names for u in uniques] + [False], dtype=bool)
+    return lut[codes]
+
+
+def _held_by_t(times: list[np.ndarray], held: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(sample times, memory summed over the processes at each)."""
+    t = np.concatenate(times)
+    uniq, inverse = np.unique(t, return_inverse=True)
+    return uniq, np.bincount(inverse, weights=np.concatenate(held), minlength=len(uniq))
+
+
+def _nearest(xt: np.ndarray, xv: np.ndarray, t: np.ndarray, tolerance: float) -> np.ndarray:
+    """``xv`` at the sample of ``xt`` nearest each ``t`` (a tie takes the later one), NaN beyond ``tolerance``."""
+    if xt.size == 0:
+        return np.full(len(t), np.nan)
+    right = np.clip(np.searchsorted(xt, t, side="left"), 0, len(xt) - 1)
+    left = np.clip(right - 1, 0, len(xt) - 1)
+    pick = np.where(np.abs(xt[left] - t) < np.abs(xt[right] - t), left, right)
+    out = xv[pick].astype(float)
+    out[np.abs(xt[pick] - t) > tolerance] = np.nan
+    return out
+
+
+def _same(a, b) -> bool:
+    """Equal labels, or a label one side lacks."""
+    return _isna(a) or _isna(b) or a == b
+
+
+def _labels(col) -> set[str]:
+    """The distinct values of a label column, as strings."""
+    got = col.codes() if hasattr(col, "codes") and callable(col.codes) else None
+    if got is not None:
+        codes, uniques = got
+        return {str(uniques[c]) for c in np.unique(codes[codes >= 0]).tolist()}
+    return set(col.dropna().astype(str))
+
+
+def _isna(v) -> bool:
+    return v is None or (isinstance(v, float) and v != v)
 
 
 def _device_bytes(gpu, key) -> float | None:
@@ -132,10 +242,3 @@ def _source(e) -> str:
     if NOMINAL_KV_KEY in e and e[NOMINAL_KV_KEY].notna().any():
         return f"stated by the engine ({NOMINAL_KV_KEY})"
     return "highest KV capacity in the window, or capacity plus the co-tenants' memory"
-
-
-def _name(df, pid):
-    if "process" not in df:
-        return None
-    names = df[df["pid"] == pid]["process"].dropna()
-    return str(names.iloc[-1]) if not names.empty else None

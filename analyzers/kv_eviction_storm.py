@@ -97,9 +97,9 @@ def analyze(window: Window) -> list[Finding]:
             share = _recompute_share(e, sel)
             tpot = _tpot_in(reqs, start, end)
             ratio = tpot / base_tpot if base_tpot and base_tpot > 0 and not np.isnan(tpot) else float("nan")
-            osc_in, osc_base = _osc_in(osc_t, osc, start, end)
             if not ((not np.isnan(ratio) and ratio >= TPOT_P99_RATIO_THRESHOLD) or share >= RECOMPUTE_SHARE_THRESHOLD):
                 continue
+            osc_in, osc_base = _osc_in(osc_t, osc, start, end)
             severity = Severity.CRITICAL if (not np.isnan(ratio) and ratio >= CRITICAL_TPOT_RATIO) else Severity.WARNING
             minutes = (end - start) / 60.0
             findings.append(Finding(

@@ -87,11 +87,15 @@ def analyze(window: Window) -> list[Finding]:
         return []
     gpu, eng, api = window.rows("gpu"), window.rows("engine"), window.rows("cuda_api")
     findings = []
+    loads: dict[tuple, tuple] = {}  # per GPU: its engine's load, judged once for all its processes
     for key, p in per_entity(proc, ["node", "gpu", "pid"]):
         t = p["t"].to_numpy(float)
         white, grey, black = (_col(p, c) for c in (M.process_torch_allocated_bytes,
                                                      M.process_torch_reserved_bytes, M.process_gpu_memory_bytes))
-        load_flat, load, running = _load_flat(subset(eng, key), t)
+        gpu_key = (key.get("node"), key.get("gpu"))
+        if gpu_key not in loads:
+            loads[gpu_key] = _engine_load(subset(eng, key))
+        load_flat, load, running = _load_at(loads[gpu_key], t)
         verdict = _leaking_layer(t, white, grey, black, load_flat, running)
         if verdict is None:
             continue
@@ -142,16 +146,16 @@ def _col(p, column):
     return p[column].to_numpy(float)
 
 
-def _load_flat(e, t) -> tuple[bool, dict, np.ndarray | None]:
-    """Whether the engine's running batch stayed flat, and the batch at the process samples ``t``.
+def _engine_load(e) -> tuple[bool, dict, np.ndarray | None, np.ndarray | None]:
+    """(flat, load details, sample times, running batch) of one GPU's engine rows.
 
-    (True, not observed, None) without engine rows. Flat judges the fitted line over the window
-    (its change against the mean, the share of the variance it explains), not the means of two
-    thirds: those of a batch of ten-odd requests differ by more than a fifth by chance alone.
+    (True, not observed, None, None) without engine rows. Flat judges the fitted line over the
+    window (its change against the mean, the share of the variance it explains), not the means of
+    two thirds: those of a batch of ten-odd requests differ by more than a fifth by chance alone.
     """
     col = next((c for c in (M.num_requests_running, M.engine_batch_size) if c in e and e[c].notna().any()), None)
     if col is None:
-        return True, {"observed": False, "note": "engine load not observed: judged as flat"}, None
+        return True, {"observed": False, "note": "engine load not observed: judged as flat"}, None, None
     e = e[e[col].notna()].sort_values("t")
     te, v = e["t"].to_numpy(float), e[col].to_numpy(float)
     third = max(len(v) // 3, 1)
@@ -161,9 +165,15 @@ def _load_flat(e, t) -> tuple[bool, dict, np.ndarray | None]:
     var = float(v.var())
     r2 = slope * slope * float(te.var()) / var if var > 0 else 0.0
     flat = abs(change) <= LOAD_CHANGE_RATIO * max(float(v.mean()), 1.0) or r2 < LOAD_TREND_R2
-    running = np.interp(t, te, v) if te.size else None
     return flat, {"observed": True, "first": first, "last": last, "fitted_change": change,
-                  "trend_r2": r2, "flat": flat}, running
+                  "trend_r2": r2, "flat": flat}, te, v
+
+
+def _load_at(load, t) -> tuple[bool, dict, np.ndarray | None]:
+    """(flat, details, running batch interpolated at ``t``) from :func:`_engine_load`."""
+    flat, details, te, v = load
+    running = np.interp(t, te, v) if te is not None and te.size else None
+    return flat, dict(details), running
 
 
 def _at_constant_load(t, y, running):
@@ -171,12 +181,21 @@ def _at_constant_load(t, y, running):
     if y is None or running is None:
         return y
     ok = ~np.isnan(y)
-    r = running[ok]
+    every = bool(ok.all())
+    r = running if every else running[ok]
     if r.size < 3 or np.ptp(r) == 0:
         return y
-    design = np.column_stack([np.ones(r.size), t[ok] - t[ok].mean(), r - r.mean()])
-    coef, *_ = np.linalg.lstsq(design, y[ok], rcond=None)
-    return y - coef[2] * (running - r.mean())
+    tt, yy = (t, y) if every else (t[ok], y[ok])
+    # With both regressors centred the intercept drops out: a 2x2 system in (time, load).
+    tc, rc = tt - tt.mean(), r - r.mean()
+    stt, srr, str_ = float(tc @ tc), float(rc @ rc), float(tc @ rc)
+    det = stt * srr - str_ * str_
+    if det <= 1e-9 * stt * srr:  # load collinear with time: the least-norm answer of lstsq
+        design = np.column_stack([np.ones(r.size), tc, rc])
+        coef = np.linalg.lstsq(design, yy, rcond=None)[0][2]
+    else:
+        coef = (stt * float(rc @ yy) - str_ * float(tc @ yy)) / det
+    return y - coef * (running - r.mean())
 
 
 def _leaking_layer(t, white, grey, black, load_flat, running=None):

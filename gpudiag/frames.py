@@ -718,8 +718,23 @@ def _merge_codes(parts: list[tuple[np.ndarray, list]]) -> tuple[np.ndarray, list
     remaps = []
     for _, uniques in parts:
         remaps.append(np.array([lookup.setdefault(u, len(lookup)) for u in uniques] + [-1], dtype=np.int64))
-    codes = np.concatenate([remap[c] for (c, _), remap in zip(parts, remaps)])
-    return _sorted_codes(codes, list(lookup))
+    uniques = list(lookup)
+    try:  # renumber the small remaps to the sorted order, so the long codes are written once
+        order = sorted(range(len(uniques)), key=uniques.__getitem__)
+    except TypeError:
+        order = None
+    if order is not None:
+        rank = np.empty(len(uniques) + 1, dtype=np.int64)
+        rank[np.asarray(order, dtype=np.int64)] = np.arange(len(uniques))
+        rank[-1] = -1
+        remaps = [rank[remap] for remap in remaps]
+        uniques = [uniques[i] for i in order]
+    codes = np.empty(sum(len(c) for c, _ in parts), dtype=np.int64)
+    at = 0
+    for (c, _), remap in zip(parts, remaps):
+        np.take(remap, c, out=codes[at:at + len(c)])
+        at += len(c)
+    return codes, uniques
 
 
 def _isna_array(col: np.ndarray) -> np.ndarray:
@@ -1600,7 +1615,7 @@ class Column:
             self._codes = (codes[rows._local], uniques)
         else:
             codes, uniques = rows._table.codes(self.name)
-            self._codes = ((codes if rows._idx is None else codes[rows._idx]), uniques)
+            self._codes = ((codes if rows._idx is None else rows._gather(codes)), uniques)
         return self._codes
 
     def _object_codes(self) -> tuple[np.ndarray, list] | None:
