@@ -77,7 +77,7 @@ import pandas as pd
 
 from gpudiag.catalog import CATALOG, M
 from gpudiag.errors import GpudiagError
-from gpudiag.frames import FRAME_KINDS, Frame, Window
+from gpudiag.frames import _NAN, FRAME_KINDS, DictColumn, Frame, Table, Window, _sorted_codes
 
 log = logging.getLogger("gpudiag.agent.store")
 
@@ -446,7 +446,8 @@ class _Cursor:
         return part
 
 
-def _decode_column(meta: dict, cur: _Cursor, n: int):
+def _decode_column(meta: dict, cur: _Cursor, n: int, labels: dict | None = None):
+    """One column of a block; with ``labels``, a string column's (codes, values) go there (-1: missing)."""
     codec = meta["codec"]
     parts = [cur.take(size) for size in meta["sizes"]]
     if codec == "dict":
@@ -477,7 +478,11 @@ def _decode_column(meta: dict, cur: _Cursor, n: int):
     lookup = np.empty(len(values) + 1, dtype=object)
     lookup[:-1] = values
     lookup[-1] = None
-    return lookup[_unshuffle(parts[0], np.dtype(f"<i{meta['width']}"), n)]
+    codes = _unshuffle(parts[0], np.dtype(f"<i{meta['width']}"), n)
+    if labels is not None and codec == "str":
+        labels[meta["name"]] = (codes, values)
+        lookup[-1] = _NAN  # as a pandas string column holds a missing label
+    return lookup[codes]
 
 
 def _entity_order(columns: dict, n: int) -> np.ndarray | None:
@@ -536,6 +541,26 @@ def decode_block(block: bytes, *, raw: bool = False) -> tuple[int, dict]:
     Dict columns come back as object arrays of dicts, or flattened when ``raw``
     (for merging blocks without building the dicts).
     """
+    n, columns, _ = _decode(block, raw=raw, labels=None)
+    return n, columns
+
+
+def decode_table(block: bytes) -> Table:
+    """Decode a block into a :class:`Table`: dict columns per leaf, string labels with their codes."""
+    labels: dict = {}
+    n, columns, labels = _decode(block, raw=True, labels=labels)
+    cols = {name: (_frames_dict_column(a, n) if isinstance(a, _DictColumn) else a) for name, a in columns.items()}
+    codes = {name: _sorted_codes(c.astype(np.int64), list(values)) for name, (c, values) in labels.items()}
+    return Table(n, cols, codes=codes)
+
+
+def _frames_dict_column(a: _DictColumn, n: int) -> DictColumn:
+    """The store's flattened dict column as the analyzers' DictColumn (same leaf arrays, no dicts built)."""
+    layouts = [tuple((path, "i" if path in a.int_paths else "f") for path in layout) for layout in a.layouts]
+    return DictColumn(n, a.codes.astype(np.int32, copy=False), layouts, dict(a.leaves), {}, {})
+
+
+def _decode(block: bytes, *, raw: bool, labels: dict | None) -> tuple[int, dict, dict | None]:
     if block[:4] != _BLOCK_MAGIC:
         raise ValueError("not a gpudiag frame block")
     (head_len,) = struct.unpack("<I", block[4:8])
@@ -550,13 +575,16 @@ def decode_block(block: bytes, *, raw: bool = False) -> tuple[int, dict]:
         inverse[order] = np.arange(n)
     columns: dict = {}
     for meta in header["columns"]:
-        a = _decode_column(meta, cur, n)
+        a = _decode_column(meta, cur, n, labels)
         if inverse is not None:
             a = a.take(inverse) if isinstance(a, _DictColumn) else a[inverse]
+            if labels is not None and meta["name"] in labels:
+                codes, values = labels[meta["name"]]
+                labels[meta["name"]] = (codes[inverse], values)
         if isinstance(a, _DictColumn) and not raw:
             a = a.to_objects()
         columns[meta["name"]] = a
-    return n, columns
+    return n, columns, labels
 
 
 def _flat_dicts(a):
@@ -1321,7 +1349,7 @@ class Store:
         for kind in wanted:
             if kind not in FRAME_KINDS:
                 raise GpudiagError(f"unknown frame kind {kind!r}; expected one of {', '.join(FRAME_KINDS)}")
-        tables: dict[str, pd.DataFrame] = {}
+        tables: dict[str, Table] = {}
         nodes: set[str] = set()
         with self.snapshot():
             present = self._kind_tables()
@@ -1337,35 +1365,40 @@ class Store:
                 if not self.readonly:
                     blocks += [c.block for c in list(self._backlog)
                                if c.kind == kind and c.t_end >= start_s and c.t_start <= end_s]
-                df = self._guard(self._frame_of, blocks, start_s, end_s, node)
-                if df is not None:
-                    tables[kind] = df
-                    if "node" in df.columns:
-                        nodes.update(v for v in df["node"].unique().tolist() if isinstance(v, str))
+                table = self._guard(self._table_of, blocks, start_s, end_s, node)
+                if table is not None:
+                    tables[kind] = table
+                    if "node" in table.columns:
+                        nodes.update(v for v in table.codes("node")[1] if isinstance(v, str))
         if node is None and len(nodes) == 1:
             node = nodes.pop()
-        return Window(tables, float(start_s), float(end_s), node=node, sources=[f"store:{self.path}"])
+        return Window.from_columns(tables, start_s=float(start_s), end_s=float(end_s), node=node,
+                                   sources=[f"store:{self.path}"])
 
     @staticmethod
-    def _frame_of(blocks: list[bytes], start_s: float, end_s: float, node: str | None) -> pd.DataFrame | None:
+    def _table_of(blocks: list[bytes], start_s: float, end_s: float, node: str | None) -> Table | None:
+        """The blocks' rows in [start_s, end_s] (of ``node``) as one Table sorted by ``t``; None when none.
+
+        Columns, not a DataFrame: a day of a node is ten million rows, and the analyzers read
+        arrays; the label codes each block was written with are kept, so nothing is factorized
+        again (a DataFrame is still built when a caller asks ``window.tables`` for one).
+        """
         parts = []
         for data in blocks:
-            n, columns = decode_block(data)
-            keep = (columns["t"] >= start_s) & (columns["t"] <= end_s)
-            if node is not None and "node" in columns:
-                keep &= columns["node"] == node
+            table = decode_table(data)
+            t = table.columns["t"]
+            keep = (t >= start_s) & (t <= end_s)
+            if node is not None and "node" in table.columns:
+                code = table.code_of("node", node)
+                keep &= table.codes("node")[0] == (-2 if code is None else code)
             kept = int(keep.sum())
-            if kept == n:
-                parts.append((n, columns))
+            if kept == table.n:
+                parts.append(table)
             elif kept:
-                parts.append((kept, {k: v[keep] for k, v in columns.items()}))
+                parts.append(table.take(np.flatnonzero(keep)))
         if not parts:
             return None
-        # One DataFrame from concatenated arrays: building one per chunk costs more than
-        # decoding the chunk (a recent window holds hundreds of one-second fresh chunks).
-        _, columns = parts[0] if len(parts) == 1 else _concat_columns(parts)
-        df = pd.DataFrame(columns)
-        return df.sort_values("t", kind="stable").reset_index(drop=True)
+        return Table.concat(parts).sorted()
 
     def findings(self, start_s: float, end_s: float, *, kinds: Iterable[str] | None = None,
                  gpu: int | None = None) -> list[dict]:

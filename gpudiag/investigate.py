@@ -116,9 +116,9 @@ def load_store_window(path: str, *, since: str | None, start: str | None, end: s
             raise GpudiagError(f"store {path} holds no samples yet: is the agent writing to it?")
         lo, hi = resolve_window(time_range, since=since, start=start, end=end)
         window = store.window(lo, hi, node=node)
-        if node is not None and not any(not df.empty for df in window.tables.values()):
+        if node is not None and not any(window.columns(kind).n for kind in window.tables):
             everyone = store.window(lo, hi, kinds=["gpu", "node"])
-            nodes = sorted({str(n) for df in everyone.tables.values() if "node" in df for n in df["node"].dropna()})
+            nodes = sorted({str(n) for kind in everyone.tables for n in _labels(everyone.columns(kind), "node")})
             raise GpudiagError(f"no node {node!r} in store {path} in this window; nodes there: "
                                f"{', '.join(nodes) or 'none'}")
     window.start_s, window.end_s = lo, hi
@@ -132,12 +132,32 @@ def load_store_window(path: str, *, since: str | None, start: str | None, end: s
 def only_gpu(window: Window, gpu: int) -> Window:
     """The window's rows of one GPU (rows without a GPU label, the node's, are kept); GpudiagError when absent."""
     tables = {}
-    for kind, df in window.tables.items():
-        tables[kind] = df[df["gpu"] == gpu].reset_index(drop=True) if "gpu" in df else df
-    if not any("gpu" in df and not df.empty for df in tables.values()):
-        seen = sorted({int(g) for df in window.tables.values() if "gpu" in df for g in df["gpu"].dropna()})
+    for kind in window.tables:
+        table = window.columns(kind)
+        if "gpu" in table.columns:
+            codes, uniques = table.codes("gpu")
+            want = [i for i, u in enumerate(uniques) if _same_gpu(u, gpu)]
+            table = table.take(np.flatnonzero(np.isin(codes, want)))
+        tables[kind] = table
+    if not any("gpu" in t.columns and t.n for t in tables.values()):
+        seen = sorted({int(g) for kind in window.tables for g in _labels(window.columns(kind), "gpu")})
         raise GpudiagError(f"no GPU {gpu} in this window; GPUs there: {', '.join(map(str, seen)) or 'none'}")
-    return Window(tables, window.start_s, window.end_s, window.node, list(window.sources), list(window.gaps))
+    return Window.from_columns(tables, start_s=window.start_s, end_s=window.end_s, node=window.node,
+                               sources=list(window.sources), gaps=list(window.gaps))
+
+
+def _same_gpu(label, gpu: int) -> bool:
+    try:
+        return int(label) == gpu and float(label) == float(gpu)
+    except (TypeError, ValueError):
+        return False
+
+
+def _labels(table, column: str) -> list:
+    """The distinct non-missing values of a label column of a Table (none when it lacks the column)."""
+    if column not in table.columns:
+        return []
+    return [u for u in table.codes(column)[1] if u is not None and u == u]
 
 
 @dataclass(frozen=True)
@@ -213,14 +233,20 @@ def memory(window: Window, findings: list[Finding]) -> list[dict[str, Any]]:
     """The latest three colours of every process in the window, its gaps, and whether a finding implicates it."""
     from gpudiag.agent.tracker import BLACK, GREY, LAYER_COLUMNS, NO_REPORTER, NVML_NOT_LISTED, WHITE
 
-    proc = window.table("process")
+    proc = window.rows("process")
     if proc.empty or "pid" not in proc:
         return []
     labels = [c for c in ("node", "gpu", "pid") if c in proc]
-    wanted = ["t", "process", M.process_torch_largest_free_block_bytes, *LAYER_COLUMNS.values()]
-    # One pass over a day of rows: the last observed value of each column per process.
-    latest = proc[labels + [c for c in wanted if c in proc]].groupby(labels, sort=True, dropna=False).last()
-    latest = latest.reset_index().to_dict("records")
+    wanted = [c for c in ("t", "process", M.process_torch_largest_free_block_bytes, *LAYER_COLUMNS.values())
+              if c in proc]
+    # The last observed value of each column per process, read back from each one's last rows
+    # (a day holds ten million rows; the answer is in the last few of each process).
+    latest = []
+    for key, rows in proc.groups(tuple(labels)):
+        ent = dict(zip(labels, key))
+        for c in wanted:
+            ent[c] = _last_observed(rows, c)
+        latest.append(ent)
     named = implicated(findings, latest)
     out = []
     for ent in latest:
@@ -240,6 +266,30 @@ def memory(window: Window, findings: list[Finding]) -> list[dict[str, Any]]:
             "missing": missing,
         })
     return out
+
+
+def _last_observed(rows, column: str):
+    """The last non-missing value of ``column`` in ``rows`` (by time), or None."""
+    col = rows.table.columns[column]
+    if not isinstance(col, np.ndarray):  # a dict column: rare here, read it whole
+        values = rows[column].to_numpy()
+        ok = [i for i, v in enumerate(values.tolist()) if v is not None and v == v]
+        return values[ok[-1]] if ok else None
+    idx, n, k = rows.positions, len(rows), 16
+    while True:
+        lo = max(n - k, 0)
+        vals = col[lo:n] if idx is None else col[idx[lo:n]]
+        if vals.dtype.kind == "f":
+            ok = np.flatnonzero(~np.isnan(vals))
+        elif vals.dtype == object:
+            ok = np.flatnonzero([v is not None and v == v for v in vals.tolist()])
+        else:
+            ok = np.arange(len(vals))
+        if ok.size:
+            return vals[ok[-1]].item() if hasattr(vals[ok[-1]], "item") else vals[ok[-1]]
+        if lo == 0:
+            return None
+        k *= 8
 
 
 def next_steps(findings: list[Finding]) -> list[dict[str, Any]]:
