@@ -22,9 +22,10 @@ GPU-day; a narrow (t, entity, column, value) table about 650 MB; these chunks
 about 12 MB. SQLite spends a header byte and 1 to 8 payload bytes on every
 value plus per-row and index overhead, while a chunk stores each column once,
 grouped by entity, delta- or XOR-coded and deflated: a constant column costs
-almost nothing and a slowly moving one a byte or two per value. A read of a
-time range decodes whole columns with numpy, which is what a pandas DataFrame
-wants anyway (a 15-minute window of that node, 160,000 rows, in about 0.5 s).
+almost nothing and a slowly moving one a byte or two per value. Finished
+requests (~80 a second on such a node) are the largest kind: their latencies
+are kept to the microsecond, which halves their share. A read of a
+time range decodes whole columns with numpy into the analyzers' Tables.
 
 Writes: :meth:`Store.append` buffers frames; :meth:`Store.flush` (called by
 the agent every second) encodes them into one small *fresh* chunk per kind
@@ -62,6 +63,7 @@ import operator
 import os
 import sqlite3
 import struct
+import sys
 import threading
 import time
 import zlib
@@ -73,7 +75,6 @@ from typing import Any
 from urllib.parse import quote
 
 import numpy as np
-import pandas as pd
 
 from gpudiag.catalog import CATALOG, M
 from gpudiag.errors import GpudiagError
@@ -420,20 +421,41 @@ def _encode_plain(a: np.ndarray) -> tuple[dict, list[bytes]]:
         return _encode_ints(a)
     if kind == "f":
         return _encode_floats(a)
-    try:
-        codes, uniques = pd.factorize(a, use_na_sentinel=True)
-        uniques = list(uniques)
-    except TypeError:  # unhashable values (lists, dicts of strings)
-        uniques = [None]
+    got = _factorize(a)
+    codes, uniques = got if got is not None else (None, [None])  # unhashable values (lists, dicts of strings)
     if not uniques:
         return {"codec": "null"}, []
     if all(isinstance(u, str) for u in uniques):
         codes = _narrow(codes)
         return {"codec": "str", "values": uniques, "width": codes.dtype.itemsize}, [_shuffle(codes)]
     texts = [_json_text(v) for v in a]
-    codes, uniques = pd.factorize(np.array(texts, dtype=object), use_na_sentinel=True)
+    codes, uniques = _factorize(np.array(texts, dtype=object))
     codes = _narrow(codes)
     return {"codec": "json", "values": list(uniques), "width": codes.dtype.itemsize}, [_shuffle(codes)]
+
+
+def _factorize(a: np.ndarray) -> tuple[np.ndarray, list] | None:
+    """(codes, uniques in order of appearance), -1 for None/NaN; None when a value is unhashable.
+
+    pandas' hash table when a reader already loaded it; the agent itself never imports pandas
+    (42 MB of resident memory) for the few thousand labels of a chunk.
+    """
+    if "pandas" in sys.modules:
+        import pandas as pd
+
+        try:
+            codes, uniques = pd.factorize(a, use_na_sentinel=True)
+        except TypeError:
+            return None
+        return codes.astype(np.int64, copy=False), list(uniques)
+    lookup: dict = {}
+    codes = np.empty(len(a), dtype=np.int64)
+    try:
+        for i, v in enumerate(a.tolist()):
+            codes[i] = -1 if v is None or v != v else lookup.setdefault(v, len(lookup))
+    except TypeError:
+        return None
+    return codes, list(lookup)
 
 
 class _Cursor:
@@ -493,14 +515,15 @@ def _entity_order(columns: dict, n: int) -> np.ndarray | None:
     key = np.zeros(n, dtype=np.int64)
     groups = 1
     for c in labels:
-        try:
-            codes, uniques = pd.factorize(columns[c], use_na_sentinel=False)
-        except TypeError:  # unhashable values: not an entity label
+        got = _factorize(columns[c])
+        if got is None:  # unhashable values: not an entity label
             continue
-        key = key * max(len(uniques), 1) + codes
-        groups *= max(len(uniques), 1)
+        codes, uniques = got
+        radix = len(uniques) + 1  # a missing label is an entity value of its own
+        key = key * radix + codes + 1
+        groups *= radix
         if groups > 2**40:  # keep the mixed-radix key inside int64
-            key, uniques = pd.factorize(key)
+            uniques, key = np.unique(key, return_inverse=True)
             groups = len(uniques)
     distinct = len(np.unique(key))
     if distinct <= 1 or distinct == n:  # one entity, or one row per entity (finished requests)
@@ -508,12 +531,27 @@ def _entity_order(columns: dict, n: int) -> np.ndarray | None:
     return np.argsort(key, kind="stable")
 
 
+# Per-request latencies are kept to the microsecond: far finer than any latency anyone reads
+# (milliseconds), and a random float64 costs eight bytes where a microsecond count costs two or
+# three. At ~80 finished requests a second they are most of a node's store.
+LATENCY_RESOLUTION_DECIMALS = 6
+
+
+def _at_resolution(name: str, a):
+    metric = CATALOG.get(name)
+    if metric is not None and metric.entity == "request" and metric.unit == "seconds" \
+            and isinstance(a, np.ndarray) and a.dtype.kind == "f":
+        return np.round(a, LATENCY_RESOLUTION_DECIMALS)
+    return a
+
+
 def encode_block(columns: dict, n: int, *, sealed: bool = True) -> bytes:
     """Encode ``n`` rows given as columns (numpy arrays, or flattened dict columns) into one block.
 
     ``sealed=False`` writes a fresh block: cheap codecs, fast deflate, rows in
-    their appended order.
+    their appended order. Per-request latencies are rounded to the microsecond.
     """
+    columns = {k: _at_resolution(k, v) for k, v in columns.items()}
     if sealed:
         columns = {k: _flat_dicts(v) for k, v in columns.items()}
     order = _entity_order(columns, n) if sealed else None

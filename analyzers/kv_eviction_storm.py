@@ -32,11 +32,10 @@ start with prefix caching.
 from __future__ import annotations
 
 import numpy as np
-import pandas as pd
 
 from gpudiag.catalog import M
 from gpudiag.findings import Evidence, Finding, Severity, alert_name
-from gpudiag.frames import Window
+from gpudiag.frames import Rows, Table, Window
 
 from .common import episodes, per_entity, percentile, rolling_std, windowed_rate
 
@@ -160,7 +159,7 @@ def _interval_tpot(e):
         if win and win.get("count") and win.get("p99") is not None:
             t.append(ti)
             v.append(win["p99"])
-    return pd.DataFrame({"t": np.array(t, float), M.inter_token_latency_seconds: np.array(v, float)})
+    return Rows(Table(len(t), {"t": np.array(t, float), M.inter_token_latency_seconds: np.array(v, float)}))
 
 
 def _max(e, col, sel):

@@ -190,6 +190,23 @@ def test_every_column_codec_is_lossless(data):
 # --- findings --------------------------------------------------------------------------
 
 
+def test_request_latencies_are_kept_to_the_microsecond_and_everything_else_exactly():
+    from gpudiag.agent.store import _columns_from_frames
+
+    rng = np.random.default_rng(3)
+    ttft = rng.lognormal(-2.5, 0.6, 500)
+    ratio = rng.random(500)
+    frames = [Frame("request", 100.0 + i, [{"gpu": 0, "request_id": f"r{i}", M.time_to_first_token_seconds: ttft[i],
+                                            "ratio": ratio[i]}]) for i in range(500)]
+    rows, columns = _columns_from_frames(frames)
+    for sealed in (False, True):
+        _, got = decode_block(encode_block(columns, rows, sealed=sealed))
+        assert np.abs(got[M.time_to_first_token_seconds] - ttft).max() <= 0.5e-6
+        assert np.array_equal(got[M.time_to_first_token_seconds], np.round(ttft, 6))
+        assert np.array_equal(got["ratio"], ratio)  # not a latency: bit for bit
+        assert got["request_id"].tolist() == [f"r{i}" for i in range(500)]
+
+
 def test_findings_are_upserted_by_id_and_found_by_overlap_and_gpu(tmp_path):
     path = str(tmp_path / "node.db")
     storm = Finding("kv_eviction_storm", Severity.CRITICAL, T0 + 100, T0 + 110, "KV evictions 40/s", gpu=3,
