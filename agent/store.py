@@ -69,6 +69,7 @@ import time
 import zlib
 from collections import deque
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -90,6 +91,9 @@ DEFAULT_MAX_BYTES = 2 * 1024**3
 # short enough that a 15-minute analyzer window decodes at most ~5 minutes it
 # does not need.
 DEFAULT_CHUNK_S = 300.0
+# Threads that decode a long read's chunks side by side (zlib and numpy release the GIL);
+# four keep a reader from crowding out the serving process on the node's cores.
+READ_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
 # Chunks kept in memory while the store cannot be written: fresh chunks of an 8-GPU,
 # 128-process node take ~7 kB a second, so 32 MiB holds over an hour of outage
 # within the agent's memory budget.
@@ -1421,8 +1425,7 @@ class Store:
         arrays; the label codes each block was written with are kept, so nothing is factorized
         again (a DataFrame is still built when a caller asks ``window.tables`` for one).
         """
-        parts = []
-        for data in blocks:
+        def rows_of(data: bytes) -> Table | None:
             table = decode_table(data)
             t = table.columns["t"]
             keep = (t >= start_s) & (t <= end_s)
@@ -1431,9 +1434,15 @@ class Store:
                 keep &= table.codes("node")[0] == (-2 if code is None else code)
             kept = int(keep.sum())
             if kept == table.n:
-                parts.append(table)
-            elif kept:
-                parts.append(table.take(np.flatnonzero(keep)))
+                return table
+            return table.take(np.flatnonzero(keep)) if kept else None
+
+        if len(blocks) >= 2 * READ_THREADS > 2:
+            # Inflating and decoding release the GIL: a day of a node reads in a fraction of the time.
+            with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="gpudiag-store-read") as pool:
+                parts = [p for p in pool.map(rows_of, blocks) if p is not None]
+        else:
+            parts = [p for p in map(rows_of, blocks) if p is not None]
         if not parts:
             return None
         return Table.concat(parts).sorted()

@@ -8,11 +8,12 @@ table's shared codes instead of a groupby or a comparison per call.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gpudiag.frames import Column, Rows
+from gpudiag.frames import Column, Rows, layout_groups
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -39,6 +40,33 @@ def per_entity(df: pd.DataFrame | Rows, keys: list[str]):
         yield dict(zip(present, key)), sub.sort_values("t")
 
 
+def trailing_start(t: np.ndarray, window_s: float) -> np.ndarray:
+    """Per sample of sorted ``t``, the index of the first sample within the trailing ``window_s``.
+
+    The last few answers are kept: the rates, increases and spreads of one entity ask it of the
+    same times again.
+    """
+    for held_t, held_w, start in _STARTS:
+        if held_t is t and held_w == window_s:
+            return start
+    start = np.searchsorted(t, t - window_s, side="left")
+    _STARTS.appendleft((t, window_s, start))
+    return start
+
+
+_STARTS: deque = deque(maxlen=4)  # (t, window_s, start); holding t keeps its identity unique
+
+
+def at_or_before(tt: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """Per time of ``t``, the index of the last sample of sorted ``tt`` at or before it (-1: none).
+
+    Series sampled on the same clock (a GPU and its engine, one tick of the agent) map one to one.
+    """
+    if tt is t or (tt.shape == t.shape and np.array_equal(tt, t)):
+        return np.arange(len(t))
+    return np.searchsorted(tt, t, side="right") - 1
+
+
 def windowed_increase(t: np.ndarray, counter: np.ndarray, window_s: float) -> np.ndarray:
     """Increase of a cumulative counter over the trailing ``window_s`` at each sample.
 
@@ -46,13 +74,13 @@ def windowed_increase(t: np.ndarray, counter: np.ndarray, window_s: float) -> np
     """
     inc = np.diff(counter, prepend=counter[:1])
     csum = np.cumsum(np.where(inc < 0, counter, inc))
-    start = np.searchsorted(t, t - window_s, side="left")
+    start = trailing_start(t, window_s)
     return csum - csum[start]
 
 
 def windowed_rate(t: np.ndarray, counter: np.ndarray, window_s: float) -> np.ndarray:
     """Increase of a cumulative counter per second over the trailing ``window_s`` (resets restart it)."""
-    start = np.searchsorted(t, t - window_s, side="left")
+    start = trailing_start(t, window_s)
     return windowed_increase(t, counter, window_s) / np.maximum(t - t[start], 1.0)
 
 
@@ -66,7 +94,7 @@ def held_counter(rows, column: str) -> np.ndarray:
 
 def rolling_std(t: np.ndarray, x: np.ndarray, window_s: float) -> np.ndarray:
     """Standard deviation of ``x`` over the trailing ``window_s`` (population std)."""
-    start = np.searchsorted(t, t - window_s, side="left")
+    start = trailing_start(t, window_s)
     c1 = np.concatenate([[0.0], np.cumsum(x)])
     c2 = np.concatenate([[0.0], np.cumsum(x * x)])
     idx = np.arange(len(x)) + 1
@@ -78,13 +106,13 @@ def rolling_std(t: np.ndarray, x: np.ndarray, window_s: float) -> np.ndarray:
 
 def episodes(t: np.ndarray, mask: np.ndarray, merge_gap_s: float, min_duration_s: float = 0.0):
     """Spans [start, end] where ``mask`` holds, merging gaps up to ``merge_gap_s``."""
-    out: list[list[float]] = []
-    for ti in t[mask]:
-        if out and ti - out[-1][1] <= merge_gap_s:
-            out[-1][1] = ti
-        else:
-            out.append([ti, ti])
-    return [(a, b) for a, b in out if b - a >= min_duration_s]
+    ts = t[mask]
+    if not ts.size:
+        return []
+    breaks = np.flatnonzero(np.diff(ts) > merge_gap_s)
+    starts = ts[np.concatenate([[0], breaks + 1])].tolist()
+    ends = ts[np.concatenate([breaks, [ts.size - 1]])].tolist()
+    return [(a, b) for a, b in zip(starts, ends) if b - a >= min_duration_s]
 
 
 def percentile(values, q: float) -> float:
@@ -175,7 +203,7 @@ def dict_keys(values) -> list[str]:
     if dc is not None:
         col, idx = dc
         lay = col.layout if idx is None else col.layout[idx]
-        return sorted({str(path[0]) for lid in np.unique(lay).tolist() if lid >= 0
+        return sorted({str(path[0]) for lid, _ in layout_groups(lay) if lid >= 0
                        for path, _ in col.layouts[lid]})
     return sorted({str(k) for v in values if isinstance(v, dict) for k in v})
 
@@ -205,10 +233,9 @@ def dict_flag(values, key) -> np.ndarray:
     lay = col.layout if idx is None else col.layout[idx]
     rows = np.arange(col.n) if idx is None else np.asarray(idx)
     out = np.zeros(len(lay), dtype=bool)
-    for lid in np.unique(lay).tolist():
+    for lid, at in layout_groups(lay):
         if lid < 0:
             continue
-        at = np.flatnonzero(lay == lid)
         leaf = [(p, kind) for p, kind in col.layouts[lid] if p[0] == key]
         if not leaf:
             continue

@@ -35,7 +35,7 @@ from gpudiag.findings import Evidence, Finding, Severity, alert_name
 from gpudiag.frames import Window
 from gpudiag.units import fmt_ratio
 
-from .common import episodes, label_int, per_entity, subset, windowed_rate
+from .common import at_or_before, episodes, label_int, per_entity, subset, trailing_start, windowed_rate
 from .kineto import CPU_STARVED_FIXES, CPU_STARVED_KIND, STARVED_MIN_IDLE_RATIO
 
 KIND = CPU_STARVED_KIND
@@ -126,7 +126,7 @@ def _finding(gkey, pkey, p, t, start, end, util, busy, runq, offcpu, load) -> Fi
 def _trailing_mean(t, x):
     x = np.nan_to_num(x, nan=1.0)  # an unread sample is never taken for an idle GPU
     c = np.concatenate([[0.0], np.cumsum(x)])
-    start = np.searchsorted(t, t - RATE_WINDOW_S, side="left")
+    start = trailing_start(t, RATE_WINDOW_S)
     idx = np.arange(len(x)) + 1
     return (c[idx] - c[start]) / (idx - start)
 
@@ -138,7 +138,7 @@ def _on_grid(df, column, t) -> np.ndarray:
     d = df[df[column].notna()].sort_values("t")
     tt, v = d["t"].to_numpy(float), d[column].to_numpy(float)
     mean = _trailing_mean(tt, v)
-    i = np.searchsorted(tt, t, side="right") - 1
+    i = at_or_before(tt, t)
     out = np.where(i >= 0, mean[np.maximum(i, 0)], np.nan)
     return out
 
@@ -149,7 +149,7 @@ def _rate_on_grid(df, column, t) -> np.ndarray:
     d = df[df[column].notna()].sort_values("t")
     tt = d["t"].to_numpy(float)
     rate = windowed_rate(tt, d[column].to_numpy(float), RATE_WINDOW_S)
-    i = np.searchsorted(tt, t, side="right") - 1
+    i = at_or_before(tt, t)
     return np.where(i >= 0, rate[np.maximum(i, 0)], np.nan)
 
 

@@ -93,9 +93,15 @@ def analyze(window: Window) -> list[Finding]:
         white, grey, black = (_col(p, c) for c in (M.process_torch_allocated_bytes,
                                                      M.process_torch_reserved_bytes, M.process_gpu_memory_bytes))
         gpu_key = (key.get("node"), key.get("gpu"))
-        if gpu_key not in loads:
-            loads[gpu_key] = _engine_load(subset(eng, key))
-        load_flat, load, running = _load_at(loads[gpu_key], t)
+        held = loads.get(gpu_key)
+        if held is None:
+            held = loads[gpu_key] = [_engine_load(subset(eng, key)), None, None]
+        if held[1] is not None and held[1].shape == t.shape and np.array_equal(held[1], t):
+            load_flat, load, running = held[2]  # the processes of one GPU are sampled together
+            load = dict(load)
+        else:
+            load_flat, load, running = held[2] = _load_at(held[0], t)
+            held[1] = t
         verdict = _leaking_layer(t, white, grey, black, load_flat, running)
         if verdict is None:
             continue
@@ -182,20 +188,38 @@ def _at_constant_load(t, y, running):
         return y
     ok = ~np.isnan(y)
     every = bool(ok.all())
-    r = running if every else running[ok]
-    if r.size < 3 or np.ptp(r) == 0:
+    if every:  # the usual case: the same regressors for every layer of the process
+        held = _FIT[0]
+        if held is None or held[0] is not t or held[1] is not running:
+            held = _FIT[0] = (t, running, *_regressors(t, running))
+        r, mean, flat, tc, rc, stt, srr, str_ = held[2:]
+        yy = y
+    else:
+        r, mean, flat, tc, rc, stt, srr, str_ = _regressors(t[ok], running[ok])
+        yy = y[ok]
+    if r.size < 3 or flat:
         return y
-    tt, yy = (t, y) if every else (t[ok], y[ok])
-    # With both regressors centred the intercept drops out: a 2x2 system in (time, load).
-    tc, rc = tt - tt.mean(), r - r.mean()
-    stt, srr, str_ = float(tc @ tc), float(rc @ rc), float(tc @ rc)
     det = stt * srr - str_ * str_
     if det <= 1e-9 * stt * srr:  # load collinear with time: the least-norm answer of lstsq
         design = np.column_stack([np.ones(r.size), tc, rc])
         coef = np.linalg.lstsq(design, yy, rcond=None)[0][2]
     else:
         coef = (stt * float(rc @ yy) - str_ * float(tc @ yy)) / det
-    return y - coef * (running - r.mean())
+    return y - coef * (running - mean)
+
+
+_FIT: list = [None]  # (t, running, regressors) of the last process judged
+
+
+def _regressors(t, r):
+    """(r, its mean, whether it is constant, t and r centred, their sums of squares and cross
+    product): the load fit's 2x2 system."""
+    if r.size < 3:
+        return r, 0.0, True, None, None, 0.0, 0.0, 0.0
+    # With both regressors centred the intercept drops out: a 2x2 system in (time, load).
+    mean = r.mean()
+    tc, rc = t - t.mean(), r - mean
+    return r, mean, bool(np.ptp(r) == 0), tc, rc, float(tc @ tc), float(rc @ rc), float(tc @ rc)
 
 
 def _leaking_layer(t, white, grey, black, load_flat, running=None):

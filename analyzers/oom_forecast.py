@@ -130,15 +130,16 @@ def analyze(window: Window) -> list[Finding]:
 def rising_slope(t: np.ndarray, y: np.ndarray) -> float | None:
     """The slope of ``y`` when it is a significant, sustained rise (see the module docstring), else None."""
     ok = ~np.isnan(y)
-    t, y = t[ok], y[ok]
+    if not ok.all():
+        t, y = t[ok], y[ok]
     if t.size < 3 or t[-1] - t[0] < MIN_TREND_SPAN_S:
         return None
     slope, tstat = linear_trend(t, y)
     if slope <= 0 or tstat < TREND_T_STAT:
         return None
-    edges = t[0] + (t[-1] - t[0]) * np.array([1 / 3, 2 / 3])
-    first, middle, last = (linear_trend(t[sel], y[sel]) for sel in
-                           (t < edges[0], (t >= edges[0]) & (t < edges[1]), t >= edges[1]))
+    # Thirds of the span: the samples are in time order, so each third is a slice.
+    a, b = np.searchsorted(t, t[0] + (t[-1] - t[0]) * np.array([1 / 3, 2 / 3]), side="left").tolist()
+    first, middle, last = (linear_trend(t[sel], y[sel]) for sel in (slice(0, a), slice(a, b), slice(b, None)))
     for third_slope, third_t in (middle, last):
         if third_slope < SUSTAINED_SHARE * slope or third_t < TREND_T_STAT:
             return None

@@ -60,9 +60,12 @@ def analyze(window: Window) -> list[Finding]:
             active |= flags
         throttled = active & (clock_ratio <= CLOCK_RATIO_THRESHOLD)
         hot = temp > TEMPERATURE_THRESHOLD_C
+        power = g[M.gpu_power_watts].to_numpy(float) if M.gpu_power_watts in g else None
+        limit = g[M.gpu_power_limit_watts].to_numpy(float) if M.gpu_power_limit_watts in g else None
         for start, end in episodes(t, throttled | hot, MERGE_GAP_S, MIN_DURATION_S):
-            sel = (t >= start) & (t <= end)
-            seen = sorted(r for r, flags in reasons.items() if (flags & sel & throttled).any())
+            # The samples are in time order: the episode is one slice of them.
+            sel = slice(int(np.searchsorted(t, start, side="left")), int(np.searchsorted(t, end, side="right")))
+            seen = sorted(r for r, flags in reasons.items() if (flags[sel] & throttled[sel]).any())
             hardware = bool(HARDWARE_REASONS & set(seen))
             clock_min = float(np.nanmin(clock_ratio[sel])) if M.gpu_sm_clock_hertz in g else None
             temp_max = float(np.nanmax(temp[sel])) if np.isfinite(temp[sel]).any() else None
@@ -74,12 +77,11 @@ def analyze(window: Window) -> list[Finding]:
             evidence = [
                 Evidence("gpu_sm_clock_ratio", clock_min, 1.0, CLOCK_RATIO_THRESHOLD, "ratio"),
                 Evidence(M.gpu_temperature_celsius, temp_max, None, TEMPERATURE_THRESHOLD_C, "celsius"),
-                Evidence("throttled_seconds", float((throttled & sel).sum()), 0.0, MIN_DURATION_S, "seconds"),
+                Evidence("throttled_seconds", float(throttled[sel].sum()), 0.0, MIN_DURATION_S, "seconds"),
             ]
-            if M.gpu_power_watts in g and M.gpu_power_limit_watts in g:
-                evidence.append(Evidence(M.gpu_power_watts, float(np.nanmax(g[M.gpu_power_watts].to_numpy(float)[sel])),
-                                         None, float(np.nanmax(g[M.gpu_power_limit_watts].to_numpy(float)[sel])),
-                                         "watts"))
+            if power is not None and limit is not None:
+                evidence.append(Evidence(M.gpu_power_watts, float(np.nanmax(power[sel])), None,
+                                         float(np.nanmax(limit[sel])), "watts"))
             findings.append(Finding(
                 kind=KIND, severity=Severity.CRITICAL if hardware else Severity.WARNING,
                 start_s=float(start), end_s=float(end), node=key.get("node"), gpu=label_int(key.get("gpu")),

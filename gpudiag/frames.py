@@ -266,8 +266,7 @@ class DictColumn:
         lay = self.layout if idx is None else self.layout[idx]
         rows = np.arange(self.n) if idx is None else np.asarray(idx, dtype=np.int64)
         out = np.full(len(lay), np.nan)
-        for lid in np.unique(lay).tolist():
-            at = np.flatnonzero(lay == lid)
+        for lid, at in layout_groups(lay):
             if lid < 0:
                 if other_value is not None:
                     out[at] = [other_value(self.other.get(int(i), _NAN)) for i in rows[at].tolist()]
@@ -276,15 +275,30 @@ class DictColumn:
             if isinstance(chosen, float):
                 out[at] = chosen
                 continue
+            every = len(at) == len(lay)  # one shape for all rows: no per-shape selection
+            where = (slice(None) if idx is None else rows) if every else rows[at]
             total = np.zeros(len(at))
             seen = np.zeros(len(at), dtype=bool)
             for path in chosen:
-                v = self.leaves[path][rows[at]]
+                v = self.leaves[path][where]
                 ok = ~np.isnan(v)
                 total += np.where(ok, v, 0.0)
                 seen |= ok
-            out[at] = np.where(seen, total, np.nan)
+            if every:
+                out = np.where(seen, total, np.nan)
+            else:
+                out[at] = np.where(seen, total, np.nan)
         return out
+
+
+def layout_groups(lay: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """(layout id, row positions) per distinct id of ``lay``; one shape for every row is the usual case."""
+    if not len(lay):
+        return []
+    lo, hi = int(lay.min()), int(lay.max())
+    if lo == hi:
+        return [(lo, np.arange(len(lay)))]
+    return [(lid, np.flatnonzero(lay == lid)) for lid in np.unique(lay).tolist()]
 
 
 def _add_row(i: int, v: dict, layout: np.ndarray, layout_ids: dict, layouts: list, leaf_lists: dict,
