@@ -14,6 +14,7 @@ import pytest
 
 from gpudiag import repro as R
 from gpudiag.agent.store import Store
+from gpudiag.catalog import M
 from gpudiag.frames import Frame
 from gpudiag.investigate import CHART_TITLES, parse_duration, parse_time
 from gpudiag.reference_engine import scenarios
@@ -147,3 +148,30 @@ def test_times_parse_as_durations_iso_and_unix_seconds():
     assert parse_time("2023-11-14T22:13:20Z", "--from") == T0
     assert parse_time("2023-11-14T23:13:20+01:00", "--from") == T0
     assert parse_time("1700000000", "--from") == T0
+
+
+def test_one_gpu_of_a_node_shows_only_its_processes_with_their_last_observed_colours(cli, tmp_path):
+    path = str(tmp_path / "two-gpus.db")
+    store = Store.open(path)
+    for s in range(300):
+        t = T0 + s
+        store.append([
+            Frame("gpu", t, [{"node": "n1", "gpu": g, M.gpu_memory_total_bytes: 80e9, M.gpu_memory_used_bytes: 40e9,
+                              M.gpu_utilization_ratio: 0.5} for g in (0, 1)]),
+            Frame("node", t, [{"node": "n1", M.node_cpu_utilization_ratio: 0.3}]),
+            Frame("process", t, [{"node": "n1", "gpu": g, "pid": 100 * g + p, "process": f"w{g}{p}",
+                                  M.process_torch_allocated_bytes: 1e9 + s,
+                                  M.process_torch_reserved_bytes: 2e9 + s,
+                                  # The driver's view is missing from the last ten samples of pid 101.
+                                  **({} if (g, p, s >= 290) == (1, 1, True) else {M.process_gpu_memory_bytes: 3e9 + s})}
+                                 for g in (0, 1) for p in (0, 1)]),
+        ])
+        store.flush()
+    store.close()
+    p = cli("investigate", "--store", path, "--since", "5m", "--gpu", "1", "--json")
+    assert p.returncode in (0, 1), p.stderr
+    memory = {m["pid"]: m for m in json.loads(p.stdout)["memory"]}
+    assert set(memory) == {100, 101} and {m["gpu"] for m in memory.values()} == {1}
+    assert memory[100]["white_bytes"] == 1e9 + 299 and memory[100]["black_bytes"] == 3e9 + 299
+    assert memory[101]["black_bytes"] == 3e9 + 289  # the last sample that had it
+    assert memory[101]["process"] == "w11"
