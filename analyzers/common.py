@@ -8,7 +8,6 @@ table's shared codes instead of a groupby or a comparison per call.
 
 from __future__ import annotations
 
-from collections import deque
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -41,20 +40,8 @@ def per_entity(df: pd.DataFrame | Rows, keys: list[str]):
 
 
 def trailing_start(t: np.ndarray, window_s: float) -> np.ndarray:
-    """Per sample of sorted ``t``, the index of the first sample within the trailing ``window_s``.
-
-    The last few answers are kept: the rates, increases and spreads of one entity ask it of the
-    same times again.
-    """
-    for held_t, held_w, start in _STARTS:
-        if held_t is t and held_w == window_s:
-            return start
-    start = np.searchsorted(t, t - window_s, side="left")
-    _STARTS.appendleft((t, window_s, start))
-    return start
-
-
-_STARTS: deque = deque(maxlen=4)  # (t, window_s, start); holding t keeps its identity unique
+    """Per sample of sorted ``t``, the index of the first sample within the trailing ``window_s``."""
+    return np.searchsorted(t, t - window_s, side="left")
 
 
 def at_or_before(tt: np.ndarray, t: np.ndarray) -> np.ndarray:
@@ -72,16 +59,19 @@ def windowed_increase(t: np.ndarray, counter: np.ndarray, window_s: float) -> np
 
     Counter resets (a restart) are treated as a new start, as Prometheus' increase() does.
     """
+    return _increase(counter, trailing_start(t, window_s))
+
+
+def _increase(counter: np.ndarray, start: np.ndarray) -> np.ndarray:
     inc = np.diff(counter, prepend=counter[:1])
     csum = np.cumsum(np.where(inc < 0, counter, inc))
-    start = trailing_start(t, window_s)
     return csum - csum[start]
 
 
 def windowed_rate(t: np.ndarray, counter: np.ndarray, window_s: float) -> np.ndarray:
     """Increase of a cumulative counter per second over the trailing ``window_s`` (resets restart it)."""
     start = trailing_start(t, window_s)
-    return windowed_increase(t, counter, window_s) / np.maximum(t - t[start], 1.0)
+    return _increase(counter, start) / np.maximum(t - t[start], 1.0)
 
 
 def held_counter(rows, column: str) -> np.ndarray:

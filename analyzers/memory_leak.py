@@ -182,17 +182,18 @@ def _load_at(load, t) -> tuple[bool, dict, np.ndarray | None]:
     return flat, dict(details), running
 
 
-def _at_constant_load(t, y, running):
-    """``y`` less the part that follows the load: y - c * (running - mean), c from y ~ 1 + t + running."""
+def _at_constant_load(t, y, running, fit=None):
+    """``y`` less the part that follows the load: y - c * (running - mean), c from y ~ 1 + t + running.
+
+    ``fit``: :func:`_regressors` of (t, running), when the caller judges several series on them.
+    """
     if y is None or running is None:
         return y
     ok = ~np.isnan(y)
-    every = bool(ok.all())
-    if every:  # the usual case: the same regressors for every layer of the process
-        held = _FIT[0]
-        if held is None or held[0] is not t or held[1] is not running:
-            held = _FIT[0] = (t, running, *_regressors(t, running))
-        r, mean, flat, tc, rc, stt, srr, str_ = held[2:]
+    if ok.all():  # the usual case: the process's regressors, shared by its layers
+        if fit is None:
+            fit = _regressors(t, running)
+        r, mean, flat, tc, rc, stt, srr, str_ = fit
         yy = y
     else:
         r, mean, flat, tc, rc, stt, srr, str_ = _regressors(t[ok], running[ok])
@@ -206,9 +207,6 @@ def _at_constant_load(t, y, running):
     else:
         coef = (stt * float(rc @ yy) - str_ * float(tc @ yy)) / det
     return y - coef * (running - mean)
-
-
-_FIT: list = [None]  # (t, running, regressors) of the last process judged
 
 
 def _regressors(t, r):
@@ -226,7 +224,8 @@ def _leaking_layer(t, white, grey, black, load_flat, running=None):
     """(layer, growth bytes/s, growth column) of the innermost leaking layer, or None."""
     if not load_flat:
         return None
-    white_c, grey_c, black_c = (_at_constant_load(t, y, running) for y in (white, grey, black))
+    fit = _regressors(t, running) if running is not None else None
+    white_c, grey_c, black_c = (_at_constant_load(t, y, running, fit) for y in (white, grey, black))
     if white is not None:
         g = rising_slope(t, white_c)
         if g is not None:
