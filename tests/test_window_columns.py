@@ -10,9 +10,9 @@ import pytest
 from gpudiag.agent.daemon import SlidingWindow
 from gpudiag.analyzers import common
 from gpudiag.analyzers.common import dict_flag, dict_keys, dict_total, labelled_total, per_entity, subset
-from gpudiag.analyzers.registry import ANALYZERS
+from gpudiag.analyzers.registry import ANALYZERS, run_all
 from gpudiag.catalog import M
-from gpudiag.frames import Frame, Rows, Table, TableBuffer, Window
+from gpudiag.frames import Frame, Rows, Table, TableBuffer, Window, _GroupLayout
 
 GiB, MiB = 1024**3, 1024**2
 NODE = "node-a"
@@ -265,7 +265,73 @@ def test_the_fast_percentile_is_numpys_linear_percentile_to_the_last_bit():
         x = rng.lognormal(-3, 1, n) if trial % 2 else rng.integers(0, 4, n).astype(float)
         x[rng.random(n) < 0.1] = np.nan
         clean = x[~np.isnan(x)]
-        for q in (0, 1, 50, 90, 99, 99.9, 100, float(rng.uniform(0, 100))):
+        qs = (0, 1, 50, 90, 99, 99.9, 100, float(rng.uniform(0, 100)))
+        together = common.percentiles(x, qs)  # one partition for all of them
+        for q, got_together in zip(qs, together):
             want = float(np.percentile(clean, q)) if clean.size else float("nan")
-            got = common.percentile(x, q)
-            assert got == want or (math.isnan(got) and math.isnan(want)), (n, q)
+            for got in (common.percentile(x, q), got_together):
+                assert got == want or (math.isnan(got) and math.isnan(want)), (n, q)
+
+
+def test_entities_read_from_the_group_ordered_copy_get_exactly_their_own_rows(monkeypatch):
+    # Twelve entities with one row each per tick for 5000 ticks (evenly spaced: copied as slices,
+    # block by block), then two that come and go (index arrays), with labels of two kinds; every
+    # entity asks for every column, twice.
+    monkeypatch.setattr(_GroupLayout, "BLOCK_ROWS", 1000)
+    rng = np.random.default_rng(5)
+    gpus, pids, ts, vs, names = [], [], [], [], []
+    for tick in range(6000):
+        present = range(12) if tick < 5000 else [e for e in (12, 13) if rng.random() < 0.6]
+        for e in present:
+            gpus.append(e % 3), pids.append(e), ts.append(float(tick)), names.append(f"p{e}" if e < 12 else None)
+            vs.append(float(rng.random()) if e < 12 else float("nan"))
+    table = Table(len(ts), {"t": np.array(ts), "gpu": np.array(gpus), "pid": np.array(pids),
+                            "v": np.array(vs), "name": np.array(names, dtype=object)})
+    plain = Table(table.n, dict(table.columns))
+    entities = table.entity_rows(("gpu", "pid"))
+    assert len(entities) == 14
+    for _ in range(2):  # the second pass reads the copies the first one made
+        for (key, rows), part in zip(entities, plain.groups(("gpu", "pid"))[1]):
+            for name in ("t", "v", "name"):
+                got = rows[name].to_numpy()
+                assert np.array_equal(got, table.columns[name][part], equal_nan=name == "v"), (key, name)
+                assert not got.flags.writeable
+    layout = entities[0][1]._layout[0]
+    assert len(layout.copies) == 3  # every column copied once in group order
+    assert sum(step is not False for step in layout.steps) == 12
+
+
+def test_a_released_window_frees_its_copies_without_the_cycle_collector(frames):
+    import gc
+    import weakref
+
+    win = columnar_window(frames)
+    run_all(win)
+    process = win.columns("process")
+    copied = [weakref.ref(rows[M.process_gpu_memory_bytes].to_numpy())
+              for _, rows in process.entity_rows(("node", "gpu", "pid"))]
+    assert copied and all(ref() is not None for ref in copied)
+    gc.disable()
+    try:
+        win.release()
+        assert all(ref() is None for ref in copied)
+        assert not process._entities and not process._groups and process._group_source is None
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("shape", ["steady", "jittered", "gap", "random", "repeated"])
+def test_trailing_window_starts_are_the_exact_sorted_search(shape):
+    rng = np.random.default_rng(len(shape))
+    n = 20_000
+    t = np.arange(n, dtype=float) + 1.7e9
+    if shape == "jittered":
+        t = np.sort(t + rng.normal(0, 0.05, n))
+    elif shape == "gap":
+        t[n // 3:] += 5000.0
+    elif shape == "random":
+        t = np.sort(rng.random(n) * n)
+    elif shape == "repeated":
+        t = np.repeat(t[: n // 2], 2)
+    for w in (0.0, 0.5, 1.0, 30.0, 60.0, 300.0, float(t[-1] - t[0]), 1e9, -1.0):
+        assert np.array_equal(common.trailing_start(t, w), np.searchsorted(t, t - w, side="left")), w
