@@ -40,8 +40,32 @@ def per_entity(df: pd.DataFrame | Rows, keys: list[str]):
 
 
 def trailing_start(t: np.ndarray, window_s: float) -> np.ndarray:
-    """Per sample of sorted ``t``, the index of the first sample within the trailing ``window_s``."""
-    return np.searchsorted(t, t - window_s, side="left")
+    """Per sample of sorted ``t``, the index of the first sample within the trailing ``window_s``.
+
+    ``searchsorted(t, t - window_s, side="left")``. A long series sampled at a
+    steady rate (every agent series) is answered from its mean spacing,
+    corrected to the exact index by a step or two; samples the guess misses
+    by more (gaps) are searched.
+    """
+    x = t - window_s
+    n = len(t)
+    if n < 4096 or not t[-1] > t[0]:
+        return np.searchsorted(t, x, side="left")
+    dt = (t[-1] - t[0]) / (n - 1)
+    guess = np.clip(np.ceil((x - t[0]) / dt), 0, n).astype(np.int64)
+    last = n - 1
+    for _ in range(3):
+        on = np.minimum(guess, last)
+        further = (t[on] < x) & (guess < n)  # the answer is further on
+        back = (t[np.maximum(guess - 1, 0)] >= x) & (guess > 0) & ~further  # further back
+        if not (further.any() or back.any()):
+            return guess
+        guess += further
+        guess -= back
+    on = np.minimum(guess, last)
+    wrong = ((t[on] < x) & (guess < n)) | ((t[np.maximum(guess - 1, 0)] >= x) & (guess > 0))
+    guess[wrong] = np.searchsorted(t, x[wrong], side="left")
+    return guess
 
 
 def at_or_before(tt: np.ndarray, t: np.ndarray) -> np.ndarray:
@@ -112,30 +136,41 @@ def percentile(values, q: float) -> float:
     from one partition: numpy's general path costs ten times more than the
     partition itself on the few thousand values of a latency bucket.
     """
+    return percentiles(values, (q,))[0]
+
+
+def percentiles(values, qs) -> list[float]:
+    """:func:`percentile` of each of ``qs``, from one partition of the values."""
     arr = np.asarray(values, dtype=float)
     arr = arr[~np.isnan(arr)]
     n = arr.size
     if n == 0:
-        return float("nan")
-    if not isinstance(q, (int, float)) or not 0 <= q <= 100:
-        return float(np.percentile(arr, q))
-    qf = q / 100
-    virtual = (n - 1) * qf  # numpy's virtual index for the linear method, same operations in the same order
-    lo = float(np.floor(virtual))
-    if virtual >= n - 1:
-        i = j = n - 1
-        lo = -1.0
-    elif virtual < 0:
-        i = j = 0
-        lo = 0.0
-    else:
-        i = int(lo)
-        j = i + 1
-    arr.partition(sorted({0, n - 1, i, j}))
-    a, b = float(arr[i]), float(arr[j])
-    gamma = virtual - lo
-    diff = b - a
-    return b - diff * (1 - gamma) if gamma >= 0.5 else a + diff * gamma
+        return [float("nan")] * len(qs)
+    if not all(isinstance(q, (int, float)) and 0 <= q <= 100 for q in qs):
+        return [float(np.percentile(arr, q)) for q in qs]
+    picks, kth = [], {0, n - 1}
+    for q in qs:
+        virtual = (n - 1) * (q / 100)  # numpy's virtual index for the linear method, same operations in order
+        lo = float(np.floor(virtual))
+        if virtual >= n - 1:
+            i = j = n - 1
+            lo = -1.0
+        elif virtual < 0:
+            i = j = 0
+            lo = 0.0
+        else:
+            i = int(lo)
+            j = i + 1
+        picks.append((virtual, lo, i, j))
+        kth.update((i, j))
+    arr.partition(sorted(kth))
+    out = []
+    for virtual, lo, i, j in picks:
+        a, b = float(arr[i]), float(arr[j])
+        gamma = virtual - lo
+        diff = b - a
+        out.append(b - diff * (1 - gamma) if gamma >= 0.5 else a + diff * gamma)
+    return out
 
 
 def in_span(df: pd.DataFrame | Rows, start: float, end: float, col: str = "t"):

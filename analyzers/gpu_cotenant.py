@@ -135,6 +135,16 @@ class _Process:
         at = np.flatnonzero(mask & self.ok)
         return float(self.t[at[-1]]) if at.size else -np.inf
 
+    def value_at(self, name: str, i: int):
+        """Column ``name`` at row ``i`` of this process (read from the table, not gathered)."""
+        rows = self.rows
+        table = getattr(rows, "table", None)
+        raw = table.columns.get(name) if isinstance(getattr(table, "columns", None), dict) else None
+        if isinstance(raw, np.ndarray):
+            pos = rows.positions
+            return raw[i if pos is None else int(pos[i])]
+        return rows[name].to_numpy()[i]
+
     def name_at(self, at: np.ndarray) -> str | None:
         """The last process name among rows ``at``."""
         if "process" not in self.rows:
@@ -169,9 +179,7 @@ def _engine_pid(e, procs: list[_Process]):
     if "pid" in e and e["pid"].notna().any():
         return int(e["pid"].dropna().iloc[-1])
     if "engine" in e:
-        names = _labels(e["engine"])
-        best = max(((q.last_where(_named(q, names)), q.pid) for q in procs if "process" in q.rows),
-                    default=(-np.inf, None))
+        best = _last_named(procs, _labels(e["engine"]))
         if best[0] > -np.inf:
             return best[1]
     for col in (M.process_torch_reserved_bytes, M.process_torch_allocated_bytes):
@@ -180,6 +188,37 @@ def _engine_pid(e, procs: list[_Process]):
         if best[0] > -np.inf:
             return best[1]
     return None
+
+
+def _last_named(procs: list[_Process], names: set[str]) -> tuple[float, int | None]:
+    """(time, pid) of the latest sample with memory where a process carried one of ``names``.
+
+    A process named so at its own last sample needs no more reading; one that
+    is not can only have carried the name earlier, so its names are read only
+    when its last sample is later than the best found that way.
+    """
+    best, unsure = (-np.inf, None), []
+    for q in procs:
+        if "process" not in q.rows:
+            continue
+        at = np.flatnonzero(q.ok)
+        if not at.size:
+            continue
+        last = float(q.t[at[-1]])
+        if _str_or_none(q.value_at("process", int(at[-1]))) in names:
+            best = (last, q.pid) if best[1] is None else max(best, (last, q.pid))
+        else:
+            unsure.append((last, q))
+    for last, q in unsure:
+        if last > best[0]:
+            when = q.last_where(_named(q, names))
+            if when > -np.inf and (best[1] is None or (when, q.pid) > best):
+                best = (when, q.pid)
+    return best
+
+
+def _str_or_none(v) -> str | None:
+    return None if _isna(v) else str(v)
 
 
 def _named(q: _Process, names: set[str]) -> np.ndarray:

@@ -187,8 +187,13 @@ def _tpot_outside(reqs, spans) -> float | None:
         return None
     t = reqs["t"].to_numpy(float)
     inside = np.zeros(len(t), dtype=bool)
-    for a, b in spans:
-        inside |= (t >= a - RATE_WINDOW_S) & (t <= b + MERGE_GAP_S)
+    if t.size > 1 and not (t[1:] >= t[:-1]).all():
+        for a, b in spans:
+            inside |= (t >= a - RATE_WINDOW_S) & (t <= b + MERGE_GAP_S)
+    else:  # rows by time: each span is a slice
+        for a, b in spans:
+            inside[np.searchsorted(t, a - RATE_WINDOW_S, side="left"):
+                   np.searchsorted(t, b + MERGE_GAP_S, side="right")] = True
     v = percentile(reqs[col].to_numpy(float)[~inside], 99)
     return None if np.isnan(v) else v
 

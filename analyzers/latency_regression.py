@@ -36,7 +36,7 @@ from gpudiag.findings import Evidence, Finding, Severity, alert_name
 from gpudiag.frames import Window
 from gpudiag.units import fmt_seconds
 
-from .common import episodes, label_int, per_entity, percentile
+from .common import episodes, label_int, per_entity, percentile, percentiles
 from .kv_eviction_storm import CRITICAL_TPOT_RATIO
 
 KIND = "latency_regression"
@@ -78,13 +78,20 @@ def analyze(window: Window, baseline: dict[str, dict[str, float]] | None = None)
         regressed: dict[str, list] = {}
         bucket_t = []
         for metric, (t, p99, p50, weight) in by_metric.items():
+            if t.size > 1 and not (t[1:] >= t[:-1]).all():
+                order = np.argsort(t, kind="stable")
+                t, p99, weight = t[order], p99[order], weight[order]
+                p50 = None if p50 is None else p50[order]
             base = (baseline or {}).get(metric) or _base(t, p99, p50, weight, base_end)
             if base is None or not base["p99"] or base["p99"] <= 0:
                 continue
-            for a, b in zip(edges[:-1], edges[1:]):
-                sel = (t >= a) & (t < b)
-                if weight[sel].sum() < MIN_REQUESTS:
+            # t is sorted: each bucket [a, b) is a slice, and its weight a difference of running sums.
+            cuts = np.searchsorted(t, edges, side="left").tolist()
+            counts = np.concatenate([[0.0], np.cumsum(weight)])
+            for a, b, lo, hi in zip(edges[:-1], edges[1:], cuts[:-1], cuts[1:]):
+                if counts[hi] - counts[lo] < MIN_REQUESTS:
                     continue
+                sel = slice(lo, hi)
                 q99, q50 = _quantiles(p99[sel], None if p50 is None else p50[sel])
                 if q99 >= P99_RATIO_THRESHOLD * base["p99"]:
                     regressed.setdefault(metric, []).append((a, b, q99, q50, base))
@@ -149,7 +156,8 @@ def _base(t, p99, p50, weight, base_end):
 def _quantiles(values, interval_p50):
     """(P99, P50) of per-request values; of interval summaries, the median interval's P99 and P50."""
     if interval_p50 is None:
-        return percentile(values, 99), percentile(values, 50)
+        q99, q50 = percentiles(values, (99, 50))
+        return q99, q50
     return percentile(values, 50), percentile(interval_p50, 50)
 
 

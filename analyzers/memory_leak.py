@@ -97,12 +97,13 @@ def analyze(window: Window) -> list[Finding]:
         if held is None:
             held = loads[gpu_key] = [_engine_load(subset(eng, key)), None, None]
         if held[1] is not None and held[1].shape == t.shape and np.array_equal(held[1], t):
-            load_flat, load, running = held[2]  # the processes of one GPU are sampled together
+            load_flat, load, running, fit = held[2]  # the processes of one GPU are sampled together
             load = dict(load)
         else:
-            load_flat, load, running = held[2] = _load_at(held[0], t)
-            held[1] = t
-        verdict = _leaking_layer(t, white, grey, black, load_flat, running)
+            load_flat, load, running = _load_at(held[0], t)
+            fit = _regressors(t, running) if running is not None and load_flat else None
+            held[1], held[2] = t, (load_flat, load, running, fit)
+        verdict = _leaking_layer(t, white, grey, black, load_flat, running, fit)
         if verdict is None:
             continue
         layer, growth, leaked_col = verdict
@@ -220,11 +221,15 @@ def _regressors(t, r):
     return r, mean, bool(np.ptp(r) == 0), tc, rc, float(tc @ tc), float(rc @ rc), float(tc @ rc)
 
 
-def _leaking_layer(t, white, grey, black, load_flat, running=None):
-    """(layer, growth bytes/s, growth column) of the innermost leaking layer, or None."""
+def _leaking_layer(t, white, grey, black, load_flat, running=None, fit=None):
+    """(layer, growth bytes/s, growth column) of the innermost leaking layer, or None.
+
+    ``fit``: :func:`_regressors` of (t, running), shared by the processes sampled on one clock.
+    """
     if not load_flat:
         return None
-    fit = _regressors(t, running) if running is not None else None
+    if fit is None and running is not None:
+        fit = _regressors(t, running)
     white_c, grey_c, black_c = (_at_constant_load(t, y, running, fit) for y in (white, grey, black))
     if white is not None:
         g = rising_slope(t, white_c)

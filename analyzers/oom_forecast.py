@@ -72,16 +72,27 @@ def analyze(window: Window) -> list[Finding]:
     gpu = window.rows("gpu")
     if proc.empty or not window.has("gpu", M.gpu_memory_total_bytes):
         return []
-    layer_col = M.process_torch_reserved_bytes if window.has("process", M.process_torch_reserved_bytes) \
-        else M.process_gpu_memory_bytes
-    if not window.has("process", layer_col):
+    reported = window.has("process", M.process_torch_reserved_bytes)
+    driver = window.has("process", M.process_gpu_memory_bytes)
+    if not (reported or driver):
         return []
-    split = layer_col == M.process_torch_reserved_bytes and window.has("process", M.process_torch_allocated_bytes) \
+    with_split = reported and window.has("process", M.process_torch_allocated_bytes) \
         and window.has("process", M.process_torch_inactive_split_bytes)
     findings = []
     for key, p in per_entity(proc, ["node", "gpu", "pid"]):
         t = p["t"].to_numpy(float)
-        held = p[layer_col].to_numpy(float)
+        # Each process by its own view: the allocator's where its reporter runs, else the driver's
+        # (a process without one shares the GPU with those that have it).
+        layer_col, held = None, None
+        if reported:
+            layer_col, held = M.process_torch_reserved_bytes, p[M.process_torch_reserved_bytes].to_numpy(float)
+            if np.isnan(held).all():
+                layer_col = None
+        if layer_col is None:
+            if not driver:
+                continue
+            layer_col, held = M.process_gpu_memory_bytes, p[M.process_gpu_memory_bytes].to_numpy(float)
+        split = with_split and layer_col == M.process_torch_reserved_bytes
         releasable = 0.0
         if split:
             reserved = held
@@ -91,13 +102,13 @@ def analyze(window: Window) -> list[Finding]:
             releasable = max(float(reserved[ok][-1] - held[ok][-1]), 0.0) if ok.any() else 0.0
         if np.isnan(held).all():
             continue
+        slope = rising_slope(t, held)
+        if slope is None:
+            continue
         headroom, capacity = device_headroom_bytes(gpu, proc, key)
         if headroom is None:
             continue
         headroom += releasable
-        slope = rising_slope(t, held)
-        if slope is None:
-            continue
         tto = time_to_oom_s(slope, headroom)
         if tto >= TIME_TO_OOM_WARNING_S:
             continue

@@ -169,6 +169,23 @@ def test_reserved_minutes_from_the_limit_is_critical():
     assert f.severity is Severity.CRITICAL
 
 
+def test_a_process_without_a_reporter_is_forecast_on_its_driver_memory_beside_one_that_has_it():
+    # The engine reports its allocator (flat); a second process on the GPU has no reporter and its
+    # driver-charged memory grows towards the capacity.
+    engine = process_rows(HOUR, **{M.process_torch_allocated_bytes: lambda t: 20 * GiB + jitter(t),
+                                   M.process_torch_reserved_bytes: lambda t: 22 * GiB + jitter(t),
+                                   M.process_torch_inactive_split_bytes: 0.0,
+                                   M.process_gpu_memory_bytes: 23 * GiB})
+    other = process_rows(HOUR, pid=5200, process="python",
+                         **{M.process_gpu_memory_bytes: lambda t: 10 * GiB + 6 * MiB * t + jitter(t)})
+    gpu = gpu_rows(HOUR, **{M.gpu_memory_total_bytes: 80 * GiB,
+                            M.gpu_memory_used_bytes: lambda t: 33 * GiB + 6 * MiB * t})
+    f = only(oom_forecast.analyze(window(process=engine + other, gpu=gpu)), "oom_forecast")
+    assert f.pid == 5200 and f.details["layer"] == "driver"
+    free = 80 * GiB - (33 * GiB + 6 * MiB * HOUR)
+    assert f.details["time_to_oom_s"] == pytest.approx(free / (6 * MiB), rel=0.05)
+
+
 def test_a_leak_finding_precedes_the_oom_forecast_it_causes():
     w = leak_window(white=lambda t: 20 * GiB + 4 * MiB * t + jitter(t),
                     grey=lambda t: 22 * GiB + 4 * MiB * t + jitter(t),
