@@ -137,7 +137,9 @@ def analyze(buffers: dict[str, TableBuffer]) -> tuple[float, float, dict[str, fl
         findings.extend(fn(win))
         per[kind] = time.process_time() - c0
     findings = chain.assemble(findings)
-    return time.perf_counter() - wall0, time.process_time() - cpu0, per, len(findings)
+    wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+    win.release()  # as the agent does after each analysis: the next run starts without this one's copies
+    return wall, cpu, per, len(findings)
 
 
 def main(argv: list[str] | None = None) -> int:
