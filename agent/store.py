@@ -432,10 +432,42 @@ def _encode_plain(a: np.ndarray) -> tuple[dict, list[bytes]]:
     if all(isinstance(u, str) for u in uniques):
         codes = _narrow(codes)
         return {"codec": "str", "values": uniques, "width": codes.dtype.itemsize}, [_shuffle(codes)]
-    texts = [_json_text(v) for v in a]
-    codes, uniques = _factorize(np.array(texts, dtype=object))
+    codes, texts = _json_codes(a)
     codes = _narrow(codes)
-    return {"codec": "json", "values": list(uniques), "width": codes.dtype.itemsize}, [_shuffle(codes)]
+    return {"codec": "json", "values": texts, "width": codes.dtype.itemsize}, [_shuffle(codes)]
+
+
+def _freeze(v):
+    """A hashable stand-in for a JSON-able value, equal only for values of equal JSON text and type."""
+    if isinstance(v, dict):
+        return ("d", tuple(sorted((k, _freeze(x)) for k, x in v.items())))
+    if isinstance(v, (list, tuple)):
+        return ("l", tuple(_freeze(x) for x in v))
+    hash(v)
+    return (type(v), v)
+
+
+def _json_codes(a: np.ndarray) -> tuple[np.ndarray, list[str]]:
+    """(codes, JSON texts) of an object column (-1 for None/NaN): one text per distinct value, not per row."""
+    lookup: dict = {}
+    firsts: list = []
+    codes = []
+    for v in a.tolist():
+        if v is None or (isinstance(v, float) and v != v):
+            codes.append(-1)
+            continue
+        try:
+            key = _freeze(v)
+        except TypeError:  # sets, mixed keys: the text itself
+            key = ("t", _json_text(v))
+        code = lookup.get(key)
+        if code is None:
+            code = lookup[key] = len(firsts)
+            firsts.append(v)
+        codes.append(code)
+    texts: dict[str, int] = {}
+    remap = np.array([texts.setdefault(_json_text(v), len(texts)) for v in firsts] + [-1], dtype=np.int64)
+    return remap[np.asarray(codes, dtype=np.int64)], list(texts)
 
 
 def _factorize(a: np.ndarray) -> tuple[np.ndarray, list] | None:
@@ -453,13 +485,12 @@ def _factorize(a: np.ndarray) -> tuple[np.ndarray, list] | None:
             return None
         return codes.astype(np.int64, copy=False), list(uniques)
     lookup: dict = {}
-    codes = np.empty(len(a), dtype=np.int64)
+    get = lookup.setdefault
     try:
-        for i, v in enumerate(a.tolist()):
-            codes[i] = -1 if v is None or v != v else lookup.setdefault(v, len(lookup))
+        codes = [-1 if v is None or v != v else get(v, len(lookup)) for v in a.tolist()]
     except TypeError:
         return None
-    return codes, list(lookup)
+    return np.asarray(codes, dtype=np.int64).reshape(len(a)), list(lookup)
 
 
 class _Cursor:
@@ -753,6 +784,12 @@ def _concat_columns(blocks: list[tuple[int, dict]]) -> tuple[int, dict]:
             out[name] = _DictColumn.concat(parts, sizes)
             continue
         parts = [p.to_objects() if isinstance(p, _DictColumn) else p for p in parts]
+        if any(p is not None and p.dtype.kind in "iuf" for p in parts):
+            # A block where a number column was all None holds it as objects: as missing numbers
+            # it joins the others as one block with those rows would have held it (NaN).
+            parts = [None if p is not None and p.dtype == object and not any(v is not None for v in p.tolist())
+                     else p for p in parts]
+            present = [p for p in parts if p is not None]
         kinds = {p.dtype.kind for p in parts if p is not None}
         if len(present) == len(parts) and len(kinds) == 1:
             out[name] = np.concatenate(parts)
