@@ -86,7 +86,8 @@ def analyze(window: Window) -> list[Finding]:
         if _tpot_col(reqs) is None:
             reqs = _interval_tpot(e)
         gpus = _subset(gpu_df, key)
-        base_tpot = _tpot_outside(reqs, spans)
+        tpots = _tpot_series(reqs)
+        base_tpot = _tpot_outside(tpots, spans)
         osc_t, osc = _oscillation(gpus)
         for start, end in spans:
             # Rates look back RATE_WINDOW_S: the storm began up to a window before it was detected.
@@ -94,7 +95,7 @@ def analyze(window: Window) -> list[Finding]:
             sel = (t >= start) & (t <= end)
             n_ev = float(ev[sel].max() - ev[sel].min()) if sel.any() else 0.0
             share = _recompute_share(e, sel)
-            tpot = _tpot_in(reqs, start, end)
+            tpot = _tpot_in(tpots, start, end)
             ratio = tpot / base_tpot if base_tpot and base_tpot > 0 and not np.isnan(tpot) else float("nan")
             if not ((not np.isnan(ratio) and ratio >= TPOT_P99_RATIO_THRESHOLD) or share >= RECOMPUTE_SHARE_THRESHOLD):
                 continue
@@ -173,29 +174,37 @@ def _tpot_col(reqs):
     return M.inter_token_latency_seconds if M.inter_token_latency_seconds in reqs else None
 
 
-def _tpot_in(reqs, start, end) -> float:
-    col = _tpot_col(reqs)
-    if col is None or reqs.empty:
-        return float("nan")
-    r = reqs[(reqs["t"] >= start) & (reqs["t"] <= end)]
-    return percentile(r[col], 99)
-
-
-def _tpot_outside(reqs, spans) -> float | None:
+def _tpot_series(reqs) -> tuple[np.ndarray, np.ndarray] | None:
+    """(t, TPOT) of the requests (or intervals) sorted by time; None without a TPOT column."""
     col = _tpot_col(reqs)
     if col is None or reqs.empty:
         return None
-    t = reqs["t"].to_numpy(float)
-    inside = np.zeros(len(t), dtype=bool)
+    t, v = reqs["t"].to_numpy(float), reqs[col].to_numpy(float)
     if t.size > 1 and not (t[1:] >= t[:-1]).all():
-        for a, b in spans:
-            inside |= (t >= a - RATE_WINDOW_S) & (t <= b + MERGE_GAP_S)
-    else:  # rows by time: each span is a slice
-        for a, b in spans:
-            inside[np.searchsorted(t, a - RATE_WINDOW_S, side="left"):
-                   np.searchsorted(t, b + MERGE_GAP_S, side="right")] = True
-    v = percentile(reqs[col].to_numpy(float)[~inside], 99)
-    return None if np.isnan(v) else v
+        order = np.argsort(t, kind="stable")
+        t, v = t[order], v[order]
+    return t, v
+
+
+def _tpot_in(series, start, end) -> float:
+    """TPOT P99 of the requests that finished in [start, end]."""
+    if series is None:
+        return float("nan")
+    t, v = series
+    return percentile(v[np.searchsorted(t, start, side="left"):np.searchsorted(t, end, side="right")], 99)
+
+
+def _tpot_outside(series, spans) -> float | None:
+    """TPOT P99 of the requests away from every span (and the rate window before it): the baseline."""
+    if series is None:
+        return None
+    t, v = series
+    inside = np.zeros(len(t), dtype=bool)
+    for a, b in spans:
+        inside[np.searchsorted(t, a - RATE_WINDOW_S, side="left"):
+               np.searchsorted(t, b + MERGE_GAP_S, side="right")] = True
+    got = percentile(v[~inside], 99)
+    return None if np.isnan(got) else got
 
 
 def _recompute_share(e, sel) -> float:

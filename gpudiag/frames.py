@@ -1240,7 +1240,7 @@ class _GroupLayout:
         self.threshold = max(2, len(parts) // self.SHARE)
         self.asks: dict[int, int] = {}
         self.copies: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # id(column): (column, its copy)
-        self.steps: list[slice | bool] | None = None
+        self.steps: list[slice | bool] | None = None  # and the rest of the plan, made on the first copy
 
     def gathered(self, col: np.ndarray, g: int) -> np.ndarray | None:
         """Group ``g``'s rows of ``col`` as a read-only slice of the column in group order; None: copy them."""
@@ -1255,27 +1255,42 @@ class _GroupLayout:
 
     def _copy(self, col: np.ndarray) -> np.ndarray:
         if self.steps is None:
-            self.steps = [_even_slice(p) for p in self.parts]
+            self._plan()
         out = np.empty(int(self.starts[-1]), dtype=col.dtype)
-        starts, blocks = self.starts, []
-        for g, (part, step) in enumerate(zip(self.parts, self.steps)):
-            if step is False:
-                np.take(col, part, out=out[starts[g]:starts[g + 1]])
-            else:
-                blocks.append((int(starts[g]), step.start, step.step, len(part), max(self.BLOCK_ROWS // step.step, 1)))
-        done = not blocks
-        j = 0
-        while not done:
-            done = True
-            for at, first, step, n, k in blocks:
+        starts = self.starts
+        for g in self.whole:
+            np.take(col, self.parts[g], out=out[starts[g]:starts[g + 1]])
+        for j in range(self.blocks):  # block j of every group together: rows j*BLOCK_ROWS onwards
+            for at, first, step, n, k in self.strided:
                 a = j * k
-                if a >= n:
-                    continue
-                done = False
-                e = min(a + k, n)
-                out[at + a:at + e] = col[first + a * step:first + (e - 1) * step + 1:step]
-            j += 1
+                if a < n:
+                    e = min(a + k, n)
+                    out[at + a:at + e] = col[first + a * step:first + (e - 1) * step + 1:step]
+            for at, part, cuts in self.scattered:
+                a, e = int(cuts[j]), int(cuts[j + 1])
+                if e > a:
+                    np.take(col, part[a:e], out=out[at + a:at + e])
         return _readonly(out)
+
+    def _plan(self) -> None:
+        """How each group is copied: evenly spaced ones as slices, long uneven ones cut at the block
+        edges (their rows of one block read together), short ones at once."""
+        self.steps = [_even_slice(p) for p in self.parts]
+        rows = max((int(p[-1]) + 1 for p in self.parts if len(p)), default=0)
+        self.blocks = max(-(-rows // self.BLOCK_ROWS), 1)
+        edges = np.arange(self.blocks + 1, dtype=np.int64) * self.BLOCK_ROWS
+        self.whole, self.strided, self.scattered = [], [], []
+        for g, (part, step) in enumerate(zip(self.parts, self.steps)):
+            at = int(self.starts[g])
+            if step is not False:
+                k = max(self.BLOCK_ROWS // step.step, 1)
+                self.strided.append((at, step.start, step.step, len(part), k))
+                self.blocks = max(self.blocks, -(-len(part) // k))  # a slice's last piece may start later
+                edges = np.arange(self.blocks + 1, dtype=np.int64) * self.BLOCK_ROWS
+            elif len(part) > 4096:
+                self.scattered.append((at, part, np.searchsorted(part, edges, side="left")))
+            else:
+                self.whole.append(g)
 
 
 class Rows:

@@ -275,12 +275,12 @@ def test_the_fast_percentile_is_numpys_linear_percentile_to_the_last_bit():
 
 def test_entities_read_from_the_group_ordered_copy_get_exactly_their_own_rows(monkeypatch):
     # Twelve entities with one row each per tick for 5000 ticks (evenly spaced: copied as slices,
-    # block by block), then two that come and go (index arrays), with labels of two kinds; every
-    # entity asks for every column, twice.
+    # block by block), then two that come and go (index arrays, cut at the block edges), with labels
+    # of two kinds; every entity asks for every column, twice.
     monkeypatch.setattr(_GroupLayout, "BLOCK_ROWS", 1000)
     rng = np.random.default_rng(5)
     gpus, pids, ts, vs, names = [], [], [], [], []
-    for tick in range(6000):
+    for tick in range(16000):  # the two that come and go: ~6000 rows each, copied block by block too
         present = range(12) if tick < 5000 else [e for e in (12, 13) if rng.random() < 0.6]
         for e in present:
             gpus.append(e % 3), pids.append(e), ts.append(float(tick)), names.append(f"p{e}" if e < 12 else None)
@@ -299,6 +299,7 @@ def test_entities_read_from_the_group_ordered_copy_get_exactly_their_own_rows(mo
     layout = entities[0][1]._layout[0]
     assert len(layout.copies) == 3  # every column copied once in group order
     assert sum(step is not False for step in layout.steps) == 12
+    assert len(layout.scattered) == 2 and layout.blocks > 1
 
 
 def test_a_released_window_frees_its_copies_without_the_cycle_collector(frames):
