@@ -25,7 +25,7 @@ import numpy as np
 
 from gpudiag.catalog import M
 from gpudiag.findings import Evidence, Finding, Severity, alert_name
-from gpudiag.frames import Window
+from gpudiag.frames import Rows, Window
 from gpudiag.units import fmt_bytes
 
 from .common import episodes, label_int, per_entity, subset
@@ -209,6 +209,11 @@ def _last_named(procs: list[_Process], names: set[str]) -> tuple[float, int | No
             best = (last, q.pid) if best[1] is None else max(best, (last, q.pid))
         else:
             unsure.append((last, q))
+    if unsure and isinstance(unsure[0][1].rows, Rows):
+        # Every name the table's process column holds: none of the engine's, no process had it.
+        _, uniques = unsure[0][1].rows.table.codes("process")
+        if not any(str(u) in names for u in uniques):
+            return best
     for last, q in unsure:
         if last > best[0]:
             when = q.last_where(_named(q, names))
