@@ -146,6 +146,12 @@ def document(res: RunResult) -> dict[str, Any]:
             "alloc_failures": last(last_e, M.engine_kv_alloc_failures_total),
             "num_alloc_retries": last(last_p, M.process_torch_alloc_retries_total),
             "num_ooms": last(last_p, M.process_torch_ooms_total),
+            # The serving front end and the prefix cache (0 where the scenario has none).
+            "rejected_429": last(last_e, M.engine_requests_rejected_total),
+            "timed_out": last(last_e, M.engine_requests_timed_out_total),
+            "restarts": last(last_e, M.engine_restarts_total),
+            "prefix_cache_queried_tokens": last(last_e, M.prefix_cache_queries_total),
+            "prefix_cache_hit_tokens": last(last_e, M.prefix_cache_hits_total),
         },
         "findings": [f.to_dict() for f in res.findings],
     }

@@ -263,6 +263,9 @@ def test_an_unbounded_queue_at_peak_times_out_clients_and_restarts_the_instance(
     assert f.id in lat.caused_by
     fe = res.engine.frontend
     assert fe.timed_out_total >= 100 and fe.restarts_total >= 2 and fe.dropped_by_restarts > 500
+    # The --json document says so too.
+    assert (doc["totals"]["timed_out"], doc["totals"]["restarts"], doc["totals"]["rejected_429"]) == \
+        (fe.timed_out_total, fe.restarts_total, 0)
     # The instance came back through WARMING, serving nothing meanwhile.
     states = res.window.table("engine")[M.engine_serving_state]
     assert any(s["warming"] == 1 for s in states) and states.iloc[0]["serving"] == 1
@@ -281,6 +284,8 @@ def test_a_token_bucket_and_a_bounded_queue_turn_timeouts_into_429s_and_keep_thr
     # can still outlast the client's timeout on its own) and the instance never restarts.
     assert fe.timed_out_total <= base.engine.frontend.timed_out_total / 50
     assert fe.restarts_total == 0 and fe.admission.rejected_total > 1000
+    assert doc["totals"]["rejected_429"] == fe.admission.rejected_total and doc["totals"]["restarts"] == 0
+    assert doc["totals"]["timed_out"] == fe.timed_out_total
     a, b = scenarios_serving.AVALANCHE_PEAK
     rejected = engine_increase(res, M.engine_requests_rejected_total, a, b)
     assert rejected > 1000  # the overload is refused during the peak, never queued
@@ -352,6 +357,9 @@ def test_prefix_caching_shares_the_prefix_blocks_and_kv_demand_shrinks_by_almost
     assert doc["totals"]["evictions"] == 0 and doc["totals"]["alloc_failures"] == 0
     e = res.window.table("engine")
     assert (e[M.prefix_cache_hits_total].iloc[-1] / e[M.prefix_cache_queries_total].iloc[-1]) >= 0.9
+    totals = doc["totals"]
+    assert totals["prefix_cache_hit_tokens"] >= 0.9 * totals["prefix_cache_queried_tokens"] > 0
+    assert runs["prefix-sharing", None][1]["totals"]["prefix_cache_queried_tokens"] == 0  # no cache, no lookups
     # KV demand at the busiest moment: stored bytes over the bytes the running requests address.
     peak = e[M.engine_kv_logical_bytes].idxmax()
     saving = 1 - e[M.engine_kv_used_bytes][peak] / e[M.engine_kv_logical_bytes][peak]
