@@ -1277,16 +1277,15 @@ class _GroupLayout:
         edges (their rows of one block read together), short ones at once."""
         self.steps = [_even_slice(p) for p in self.parts]
         rows = max((int(p[-1]) + 1 for p in self.parts if len(p)), default=0)
-        self.blocks = max(-(-rows // self.BLOCK_ROWS), 1)
+        pieces = {g: max(self.BLOCK_ROWS // step.step, 1) for g, step in enumerate(self.steps) if step is not False}
+        # Blocks enough for the table's rows and for every slice's pieces (k per block, the last may start later).
+        self.blocks = max([-(-rows // self.BLOCK_ROWS), 1] + [-(-len(self.parts[g]) // k) for g, k in pieces.items()])
         edges = np.arange(self.blocks + 1, dtype=np.int64) * self.BLOCK_ROWS
         self.whole, self.strided, self.scattered = [], [], []
         for g, (part, step) in enumerate(zip(self.parts, self.steps)):
             at = int(self.starts[g])
             if step is not False:
-                k = max(self.BLOCK_ROWS // step.step, 1)
-                self.strided.append((at, step.start, step.step, len(part), k))
-                self.blocks = max(self.blocks, -(-len(part) // k))  # a slice's last piece may start later
-                edges = np.arange(self.blocks + 1, dtype=np.int64) * self.BLOCK_ROWS
+                self.strided.append((at, step.start, step.step, len(part), pieces[g]))
             elif len(part) > 4096:
                 self.scattered.append((at, part, np.searchsorted(part, edges, side="left")))
             else:

@@ -336,3 +336,24 @@ def test_trailing_window_starts_are_the_exact_sorted_search(shape):
         t = np.repeat(t[: n // 2], 2)
     for w in (0.0, 0.5, 1.0, 30.0, 60.0, 300.0, float(t[-1] - t[0]), 1e9, -1.0):
         assert np.array_equal(common.trailing_start(t, w), np.searchsorted(t, t - w, side="left")), w
+
+
+def test_a_group_copy_reaches_the_last_piece_of_every_slice_whatever_order_the_groups_come_in(monkeypatch):
+    # Eleven entities every tick and one slot that either of two others takes: 12 rows a tick, so
+    # the eleven are slices of step 12, and 83 of their rows fill a 1000-row block, not 83.3: the
+    # slices need one block more than the table's rows, and the two uneven groups sort before some.
+    monkeypatch.setattr(_GroupLayout, "BLOCK_ROWS", 1000)
+    rng = np.random.default_rng(7)
+    gpus, pids, vs = [], [], []
+    for tick in range(10_000):
+        for e in list(range(11)) + [11 + int(rng.integers(0, 2))]:
+            gpus.append(0 if e >= 11 else 1 + e % 2), pids.append(e), vs.append(float(rng.random()))
+    table = Table(len(vs), {"t": np.repeat(np.arange(10_000.0), 12), "gpu": np.array(gpus), "pid": np.array(pids),
+                            "v": np.array(vs)})
+    plain = Table(table.n, dict(table.columns))
+    entities = table.entity_rows(("gpu", "pid"))
+    for (key, rows), part in zip(entities, plain.groups(("gpu", "pid"))[1]):
+        assert np.array_equal(rows["v"].to_numpy(), table.columns["v"][part]), key
+    layout = entities[0][1]._layout[0]
+    assert len(layout.scattered) == 2 and len(layout.strided) == 11
+    assert layout.blocks > -(-table.n // 1000)
