@@ -43,9 +43,8 @@ def trailing_start(t: np.ndarray, window_s: float) -> np.ndarray:
     """Per sample of sorted ``t``, the index of the first sample within the trailing ``window_s``.
 
     ``searchsorted(t, t - window_s, side="left")``. A long series sampled at a
-    steady rate (every agent series) is answered from its mean spacing,
-    corrected to the exact index by a step or two; samples the guess misses
-    by more (gaps) are searched.
+    steady rate (every agent series) is answered from its mean spacing; only
+    the samples that guess misses (gaps, jitter) are searched.
     """
     x = t - window_s
     n = len(t)
@@ -53,19 +52,19 @@ def trailing_start(t: np.ndarray, window_s: float) -> np.ndarray:
         return np.searchsorted(t, x, side="left")
     dt = (t[-1] - t[0]) / (n - 1)
     guess = np.clip(np.ceil((x - t[0]) / dt), 0, n).astype(np.int64)
-    last = n - 1
-    for _ in range(3):
-        on = np.minimum(guess, last)
-        further = (t[on] < x) & (guess < n)  # the answer is further on
-        back = (t[np.maximum(guess - 1, 0)] >= x) & (guess > 0) & ~further  # further back
-        if not (further.any() or back.any()):
-            return guess
-        guess += further
-        guess -= back
-    on = np.minimum(guess, last)
-    wrong = ((t[on] < x) & (guess < n)) | ((t[np.maximum(guess - 1, 0)] >= x) & (guess > 0))
+    on, before = np.minimum(guess, n - 1), np.maximum(guess - 1, 0)
+    wrong = ((t[on] < x) & (guess < n)) | ((t[before] >= x) & (guess > 0))
     guess[wrong] = np.searchsorted(t, x[wrong], side="left")
     return guess
+
+
+def by_time(t: np.ndarray, *columns):
+    """``t`` and ``columns`` (arrays or None) in time order: as they are when already sorted (rows
+    of one entity are), else through one stable sort. Sorted rows let a span be cut as a slice."""
+    if t.size < 2 or (t[1:] >= t[:-1]).all():
+        return (t, *columns)
+    order = np.argsort(t, kind="stable")
+    return (t[order], *(None if c is None else c[order] for c in columns))
 
 
 def at_or_before(tt: np.ndarray, t: np.ndarray) -> np.ndarray:

@@ -138,8 +138,7 @@ class _Process:
     def value_at(self, name: str, i: int):
         """Column ``name`` at row ``i`` of this process (read from the table, not gathered)."""
         rows = self.rows
-        table = getattr(rows, "table", None)
-        raw = table.columns.get(name) if isinstance(getattr(table, "columns", None), dict) else None
+        raw = rows.table.columns.get(name) if isinstance(rows, Rows) else None
         if isinstance(raw, np.ndarray):
             pos = rows.positions
             return raw[i if pos is None else int(pos[i])]
@@ -190,14 +189,14 @@ def _engine_pid(e, procs: list[_Process]):
     return None
 
 
-def _last_named(procs: list[_Process], names: set[str]) -> tuple[float, int | None]:
+def _last_named(procs: list[_Process], names: set[str]) -> tuple[float, int]:
     """(time, pid) of the latest sample with memory where a process carried one of ``names``.
 
     A process named so at its own last sample needs no more reading; one that
     is not can only have carried the name earlier, so its names are read only
-    when its last sample is later than the best found that way.
+    when its last sample is later than the best found that way. (-inf, -1) when none did.
     """
-    best, unsure = (-np.inf, None), []
+    best, unsure = (-np.inf, -1), []
     for q in procs:
         if "process" not in q.rows:
             continue
@@ -206,7 +205,7 @@ def _last_named(procs: list[_Process], names: set[str]) -> tuple[float, int | No
             continue
         last = float(q.t[at[-1]])
         if _str_or_none(q.value_at("process", int(at[-1]))) in names:
-            best = (last, q.pid) if best[1] is None else max(best, (last, q.pid))
+            best = max(best, (last, q.pid))
         else:
             unsure.append((last, q))
     if unsure and isinstance(unsure[0][1].rows, Rows):
@@ -216,9 +215,7 @@ def _last_named(procs: list[_Process], names: set[str]) -> tuple[float, int | No
             return best
     for last, q in unsure:
         if last > best[0]:
-            when = q.last_where(_named(q, names))
-            if when > -np.inf and (best[1] is None or (when, q.pid) > best):
-                best = (when, q.pid)
+            best = max(best, (q.last_where(_named(q, names)), q.pid))
     return best
 
 

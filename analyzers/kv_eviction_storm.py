@@ -37,7 +37,7 @@ from gpudiag.catalog import M
 from gpudiag.findings import Evidence, Finding, Severity, alert_name
 from gpudiag.frames import Rows, Table, Window
 
-from .common import episodes, per_entity, percentile, rolling_std, windowed_rate
+from .common import by_time, episodes, per_entity, percentile, rolling_std, windowed_rate
 
 KIND = "kv_eviction_storm"
 
@@ -179,11 +179,7 @@ def _tpot_series(reqs) -> tuple[np.ndarray, np.ndarray] | None:
     col = _tpot_col(reqs)
     if col is None or reqs.empty:
         return None
-    t, v = reqs["t"].to_numpy(float), reqs[col].to_numpy(float)
-    if t.size > 1 and not (t[1:] >= t[:-1]).all():
-        order = np.argsort(t, kind="stable")
-        t, v = t[order], v[order]
-    return t, v
+    return by_time(reqs["t"].to_numpy(float), reqs[col].to_numpy(float))
 
 
 def _tpot_in(series, start, end) -> float:

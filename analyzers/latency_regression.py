@@ -36,7 +36,7 @@ from gpudiag.findings import Evidence, Finding, Severity, alert_name
 from gpudiag.frames import Window
 from gpudiag.units import fmt_seconds
 
-from .common import episodes, label_int, per_entity, percentile, percentiles
+from .common import by_time, episodes, label_int, per_entity, percentile, percentiles
 from .kv_eviction_storm import CRITICAL_TPOT_RATIO
 
 KIND = "latency_regression"
@@ -78,10 +78,7 @@ def analyze(window: Window, baseline: dict[str, dict[str, float]] | None = None)
         regressed: dict[str, list] = {}
         bucket_t = []
         for metric, (t, p99, p50, weight) in by_metric.items():
-            if t.size > 1 and not (t[1:] >= t[:-1]).all():
-                order = np.argsort(t, kind="stable")
-                t, p99, weight = t[order], p99[order], weight[order]
-                p50 = None if p50 is None else p50[order]
+            t, p99, p50, weight = by_time(t, p99, p50, weight)
             base = (baseline or {}).get(metric) or _base(t, p99, p50, weight, base_end)
             if base is None or not base["p99"] or base["p99"] <= 0:
                 continue
@@ -156,8 +153,7 @@ def _base(t, p99, p50, weight, base_end):
 def _quantiles(values, interval_p50):
     """(P99, P50) of per-request values; of interval summaries, the median interval's P99 and P50."""
     if interval_p50 is None:
-        q99, q50 = percentiles(values, (99, 50))
-        return q99, q50
+        return tuple(percentiles(values, (99, 50)))
     return percentile(values, 50), percentile(interval_p50, 50)
 
 

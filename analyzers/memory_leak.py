@@ -183,17 +183,15 @@ def _load_at(load, t) -> tuple[bool, dict, np.ndarray | None]:
     return flat, dict(details), running
 
 
-def _at_constant_load(t, y, running, fit=None):
+def _at_constant_load(t, y, running, fit):
     """``y`` less the part that follows the load: y - c * (running - mean), c from y ~ 1 + t + running.
 
-    ``fit``: :func:`_regressors` of (t, running), when the caller judges several series on them.
+    ``fit``: :func:`_regressors` of (t, running), shared by every series judged on them.
     """
     if y is None or running is None:
         return y
     ok = ~np.isnan(y)
-    if ok.all():  # the usual case: the process's regressors, shared by its layers
-        if fit is None:
-            fit = _regressors(t, running)
+    if ok.all():  # the usual case: the regressors of the GPU's clock, shared by its processes' layers
         r, mean, flat, tc, rc, stt, srr, str_ = fit
         yy = y
     else:
@@ -221,15 +219,14 @@ def _regressors(t, r):
     return r, mean, bool(np.ptp(r) == 0), tc, rc, float(tc @ tc), float(rc @ rc), float(tc @ rc)
 
 
-def _leaking_layer(t, white, grey, black, load_flat, running=None, fit=None):
+def _leaking_layer(t, white, grey, black, load_flat, running, fit):
     """(layer, growth bytes/s, growth column) of the innermost leaking layer, or None.
 
-    ``fit``: :func:`_regressors` of (t, running), shared by the processes sampled on one clock.
+    ``fit``: :func:`_regressors` of (t, running) (None without a load), shared by the processes
+    sampled on one clock.
     """
     if not load_flat:
         return None
-    if fit is None and running is not None:
-        fit = _regressors(t, running)
     white_c, grey_c, black_c = (_at_constant_load(t, y, running, fit) for y in (white, grey, black))
     if white is not None:
         g = rising_slope(t, white_c)

@@ -345,7 +345,7 @@ def test_a_group_copy_reaches_the_last_piece_of_every_slice_whatever_order_the_g
     monkeypatch.setattr(_GroupLayout, "BLOCK_ROWS", 1000)
     rng = np.random.default_rng(7)
     gpus, pids, vs = [], [], []
-    for tick in range(10_000):
+    for _ in range(10_000):
         for e in list(range(11)) + [11 + int(rng.integers(0, 2))]:
             gpus.append(0 if e >= 11 else 1 + e % 2), pids.append(e), vs.append(float(rng.random()))
     table = Table(len(vs), {"t": np.repeat(np.arange(10_000.0), 12), "gpu": np.array(gpus), "pid": np.array(pids),
