@@ -79,7 +79,9 @@ import numpy as np
 
 from gpudiag.catalog import CATALOG, M
 from gpudiag.errors import GpudiagError
-from gpudiag.frames import _NAN, FRAME_KINDS, DictColumn, Frame, Table, Window, _sorted_codes
+from gpudiag.frames import _NAN, FRAME_KINDS, DictColumn, Frame, Table, Window, _cut_codes, _merge_codes, _sorted_codes
+from gpudiag.frames import _concat_columns as _concat_frames_columns
+from gpudiag.frames import _factorize as _factorize_table_column
 
 log = logging.getLogger("gpudiag.agent.store")
 
@@ -156,8 +158,14 @@ def _shuffle(a: np.ndarray) -> bytes:
 
 def _unshuffle(b: bytes, dtype, n: int) -> np.ndarray:
     item = np.dtype(dtype).itemsize
-    raw = np.frombuffer(b, dtype=np.uint8).reshape(item, n).T
-    return np.ascontiguousarray(raw).view(dtype).reshape(n)
+    planes = np.frombuffer(b, dtype=np.uint8).reshape(item, n)
+    if item == 1:
+        return planes.view(dtype).reshape(n)
+    # One strided pass per byte plane: several times faster than numpy's copy of the transposed view.
+    out = np.empty((n, item), dtype=np.uint8)
+    for i in range(item):
+        out[:, i] = planes[i]
+    return out.view(dtype).reshape(n)
 
 
 def _deltas(a: np.ndarray) -> np.ndarray:
@@ -196,10 +204,12 @@ def _encode_ints(a: np.ndarray) -> tuple[dict, list[bytes]]:
 
 
 def _decode_ints(meta: dict, part: bytes, n: int) -> np.ndarray:
-    d = _unshuffle(part, np.dtype(f"<i{meta['width']}"), n).astype(np.int64)
+    # Summed in int64 straight from the narrow deltas; the gcd multiplies the sums, which in
+    # int64's wrapping arithmetic equals summing the multiplied deltas.
+    a = np.cumsum(_unshuffle(part, np.dtype(f"<i{meta['width']}"), n), dtype=np.int64)
     if "gcd" in meta:
-        d = d * meta["gcd"]
-    return np.cumsum(d, dtype=np.int64)
+        a *= meta["gcd"]
+    return a
 
 
 _MAX_RESIDUAL_ULPS = 4  # k / 10**s computed another way (33.3 / 100) lands a few ulps off
@@ -248,11 +258,12 @@ def _encode_floats(a: np.ndarray) -> tuple[dict, list[bytes]]:
 def _decode_floats(meta: dict, parts: list[bytes], n: int) -> np.ndarray:
     if meta["codec"] == "xor":
         return np.bitwise_xor.accumulate(_unshuffle(parts[0], np.uint64, n)).view(np.float64)
-    k = _decode_ints(meta, parts[0], n).astype(np.float64)
-    a = k / 10.0 ** meta["scale"] if meta["scale"] else k
+    a = _decode_ints(meta, parts[0], n).astype(np.float64)
+    if meta["scale"]:
+        a /= 10.0 ** meta["scale"]
     i = 1
     if meta["resid"]:
-        a = (a.view(np.int64) + np.frombuffer(parts[i], dtype=np.int8)).view(np.float64)
+        a.view(np.int64)[:] += np.frombuffer(parts[i], dtype=np.int8)
         i += 1
     if meta["nan"]:
         a[np.unpackbits(np.frombuffer(parts[i], dtype=np.uint8), count=n).astype(bool)] = np.nan
@@ -658,6 +669,315 @@ def _decode(block: bytes, *, raw: bool, labels: dict | None) -> tuple[int, dict,
             a = a.to_objects()
         columns[meta["name"]] = a
     return n, columns, labels
+
+
+# --- reading a window: blocks decoded straight into the window's columns -----------------
+#
+# A window read joins many blocks (a day of a node is a few hundred per kind). Decoding each
+# block into a Table of its own and concatenating them copies every value twice more (into
+# the appended order, then end to end) and builds every label's Python object per block.
+# Instead, a first pass inflates each block and finds the rows the window keeps; the column
+# types follow from the block headers, so every output column is allocated once at its final
+# size and a second pass decodes each block's columns into its slice of them. The result is
+# the Table that decoding each block (decode_table), cutting it to the window and
+# Table.concat would give: the same columns, dtypes, values, order and label codes.
+
+_OBJECT = np.dtype(object)
+_INFLATE_STEP = 1 << 16  # compressed bytes fed to the inflater at a time while looking for the leading columns
+_OBJECT_CODECS = frozenset({"str", "json", "null", "jsonlist"})
+_NUMERIC_CODECS = {"int": np.dtype(np.int64), "dec": np.dtype(np.float64), "xor": np.dtype(np.float64),
+                   "bool": np.dtype(bool)}
+
+
+def _column_bytes(meta: dict) -> int:
+    """Payload bytes of one column of a block (a dict column's leaves follow its own parts)."""
+    return sum(meta["sizes"]) + sum(sum(leaf["sizes"]) for leaf in meta.get("leaves", ()))
+
+
+def _part_dtype(meta: dict) -> np.dtype | None:
+    """The dtype a block's column decodes to (object for labels and JSON); None for a dict column."""
+    codec = meta["codec"]
+    if codec == "dict":
+        return None
+    if codec == "raw":
+        return np.dtype(meta["dtype"])
+    if codec in _OBJECT_CODECS:
+        return _OBJECT
+    return _NUMERIC_CODECS[codec]
+
+
+def _label_lookup(values: list) -> np.ndarray:
+    """Code -> label object array of a string column (a missing label, -1, reads as NaN)."""
+    lookup = np.empty(len(values) + 1, dtype=object)
+    lookup[:-1] = values
+    lookup[-1] = _NAN
+    return lookup
+
+
+class _WindowBlock:
+    """One block of a window read: its payload, inflated in two steps, and the rows the window keeps.
+
+    The first step inflates the header and the columns the window's rows are chosen by
+    (they lead the block: the entity order, then ``t``, then the labels), the second the rest
+    just before the block's columns are written, so the read never holds every block's
+    payload at once. ``cut`` holds the kept rows as positions in the appended order (None:
+    every row) and ``src`` the same rows as positions in the stored, entity-grouped order
+    (None: every row, stored as appended).
+    """
+
+    __slots__ = ("block", "cut", "fed", "head", "inverse", "k", "metas", "n", "offsets", "rest", "sizes", "src",
+                 "t", "z")
+
+    def __init__(self, block: bytes):
+        if block[:4] != _BLOCK_MAGIC:
+            raise ValueError("not a gpudiag frame block")
+        (head_len,) = struct.unpack("<I", block[4:8])
+        self.block, self.z, self.fed, self.head, self.rest = block, zlib.decompressobj(), 8, b"", b""
+        self._inflate_to(head_len)
+        header = json.loads(self.head[:head_len])
+        self.n = n = header["n"]
+        pos = head_len
+        order = header.get("order")
+        if order is not None:
+            pos += order["sizes"][0]
+        self.metas: dict[str, dict] = {}
+        self.offsets: dict[str, int] = {}
+        self.sizes: dict[str, int] = {}
+        for meta in header["columns"]:
+            self.metas[meta["name"]] = meta
+            self.offsets[meta["name"]] = pos
+            self.sizes[meta["name"]] = _column_bytes(meta)
+            pos += self.sizes[meta["name"]]
+        self.inverse = None
+        if order is not None:
+            self._inflate_to(head_len + order["sizes"][0])
+            order = _decode_ints(order, memoryview(self.head)[head_len:head_len + order["sizes"][0]], n)
+            self.inverse = np.empty(n, dtype=np.int64)
+            self.inverse[order] = np.arange(n)
+        self.k, self.cut, self.src, self.t = n, None, self.inverse, None
+
+    def _inflate_to(self, size: int) -> None:
+        """Inflate at least the first ``size`` bytes of the payload into ``head``."""
+        pieces = [self.head]
+        have = len(self.head)
+        view = memoryview(self.block)
+        while have < size and self.fed < len(self.block):
+            piece = self.z.decompress(view[self.fed:self.fed + _INFLATE_STEP])
+            self.fed += _INFLATE_STEP
+            pieces.append(piece)
+            have += len(piece)
+        self.head = b"".join(pieces)
+
+    def finish(self) -> None:
+        """Inflate the rest of the payload (a truncated one raises zlib.error, as zlib.decompress does)."""
+        self.rest = self.z.decompress(memoryview(self.block)[self.fed:]) + self.z.flush()
+        self.fed = len(self.block)
+        if not self.z.eof:
+            raise zlib.error("Error -5 while decompressing data: incomplete or truncated stream")
+
+    def _bytes_of(self, name: str):
+        """The payload bytes of one column, wherever the two steps put them."""
+        at, size, cut = self.offsets[name], self.sizes[name], len(self.head)
+        if at + size <= cut:
+            return memoryview(self.head)[at:at + size]
+        if at >= cut:
+            return memoryview(self.rest)[at - cut:at - cut + size]
+        return self.head[at:] + self.rest[:at + size - cut]
+
+    def stored(self, name: str):
+        """A column in stored order: an array, a flattened dict column, or (codes, values) of a string column."""
+        if name == "t" and self.t is not None:
+            return self.t
+        meta = self.metas[name]
+        data = self._bytes_of(name)
+        if meta["codec"] == "str":
+            return _unshuffle(data[:meta["sizes"][0]], np.dtype(f"<i{meta['width']}"), self.n), meta["values"]
+        return _decode_column(meta, _Cursor(bytes(data) if meta["codec"] == "jsonlist" else data, 0), self.n)
+
+    def full_column(self, name: str):
+        """A column of every row in appended order, as :func:`decode_table` gives it."""
+        a = self.stored(name)
+        if isinstance(a, tuple):
+            a = _label_lookup(a[1])[a[0]]
+        if self.inverse is not None:
+            a = a.take(self.inverse) if isinstance(a, _DictColumn) else a[self.inverse]
+        return _frames_dict_column(a, self.n) if isinstance(a, _DictColumn) else a
+
+    def kept_column(self, name: str):
+        """The kept rows of a column, as :func:`decode_table` and a cut to the window give them."""
+        a = self.full_column(name)
+        if self.cut is None:
+            return a
+        return a.take(self.cut) if isinstance(a, DictColumn) else a[self.cut]
+
+    def select(self, start_s: float, end_s: float, node: str | None) -> int:
+        """Keep the rows with ``start_s <= t <= end_s`` (of ``node``); the number kept."""
+        chosen_by = ["t"] + (["node"] if node is not None and "node" in self.metas else [])
+        self._inflate_to(max(self.offsets[c] + self.sizes[c] for c in chosen_by))
+        t = self.stored("t")
+        if isinstance(t, np.ndarray) and t.dtype != object:
+            self.t = t  # decoded once: the second pass writes it from here
+        t = self.full_column("t")
+        keep = (t >= start_s) & (t <= end_s)
+        if node is not None and "node" in self.metas:
+            keep &= self._of_node(node)
+        self.k = int(keep.sum())
+        if self.k < self.n:
+            self.cut = np.flatnonzero(keep)
+            self.src = self.cut if self.inverse is None else self.inverse[self.cut]
+        return self.k
+
+    def _of_node(self, node: str) -> np.ndarray:
+        """Which rows (appended order) carry the label ``node``, matched as Table.code_of matches it."""
+        if self.metas["node"]["codec"] != "str":
+            table = Table(self.n, {"node": self.full_column("node")})
+            code = table.code_of("node", node)
+            return table.codes("node")[0] == (-2 if code is None else code)
+        codes, values = self.stored("node")
+        try:
+            code = None if _is_missing(node) else {v: i for i, v in enumerate(values)}.get(node)
+        except TypeError:
+            code = None
+        if code is None:
+            return np.zeros(self.n, dtype=bool)
+        if self.inverse is not None:
+            codes = codes[self.inverse]
+        return codes == code
+
+
+def _is_missing(v) -> bool:
+    return v is None or (isinstance(v, float) and v != v)
+
+
+class _ColumnOut:
+    """One output column of a window read and how each block's part of it is written.
+
+    ``mode`` is ``labels`` (a string column in every block: codes merged once, then the
+    labels looked up once), ``array`` (numbers or objects, promoted as Table.concat promotes
+    them) or ``parts`` (dict columns: each block's part is built as decode_table builds it
+    and the parts are joined by Table.concat's own rule).
+    """
+
+    def __init__(self, name: str, blocks: list[_WindowBlock], total: int):
+        self.name = name
+        metas = [b.metas.get(name) for b in blocks]
+        dtypes = [None if m is None else _part_dtype(m) for m in metas]
+        present = [d for m, d in zip(metas, dtypes) if m is not None]
+        missing = len(present) < len(metas)
+        self.part_codes: list | None = None
+        if any(m is not None and m["codec"] == "dict" for m in metas):
+            self.mode = "parts"
+            self.parts: list = [None] * len(blocks)
+            return
+        if not missing and all(m["codec"] == "str" for m in metas):
+            self.mode = "labels"
+            self.uniques = sorted(set().union(*(m["values"] for m in metas)))
+            index = {u: i for i, u in enumerate(self.uniques)}
+            self.maps = [np.array([index[v] for v in m["values"]] + [-1], dtype=np.int64) for m in metas]
+            self.codes = np.empty(total, dtype=np.int64)
+            return
+        self.mode = "array"
+        if len(set(present)) == 1 and not missing:
+            dtype, fill = present[0], None
+        elif {d.kind for d in present} <= {"i", "u", "f"}:
+            dtype, fill = np.dtype(np.float64), np.nan
+        else:
+            dtype, fill = _OBJECT, _NAN
+        self.out = np.empty(total, dtype=dtype)
+        if missing:
+            at = 0
+            for b, m in zip(blocks, metas):
+                if m is None:
+                    self.out[at:at + b.k] = fill
+                at += b.k
+        if dtype == _OBJECT and not missing and all(d == _OBJECT for d in present):
+            self.part_codes = [None] * len(blocks)  # each block's label codes, merged when asked
+
+    def write(self, i: int, block: _WindowBlock, at: int) -> None:
+        """Write block ``i``'s kept rows at ``at``."""
+        if self.mode == "parts":
+            self.parts[i] = block.kept_column(self.name)
+            return
+        a = block.stored(self.name)
+        src, k = block.src, block.k
+        if self.mode == "labels":
+            codes = a[0] if src is None else a[0][src]
+            np.take(self.maps[i], codes, out=self.codes[at:at + k], mode="wrap")  # wrap: -1 is the last entry
+            return
+        dst = self.out[at:at + k]
+        if isinstance(a, tuple):
+            codes, values = a
+            codes = codes.copy() if src is None else codes[src]  # not a view that holds the block's payload
+            dst[...] = _label_lookup(values)[codes]
+            if self.part_codes is not None:
+                self.part_codes[i] = lambda: _sorted_codes(codes.astype(np.int64), list(values))
+            return
+        if src is None:
+            dst[...] = a
+        elif a.dtype == dst.dtype and a.dtype != _OBJECT:
+            np.take(a, src, out=dst, mode="clip")  # "raise" would buffer the output: src is in range
+        else:
+            dst[...] = a[src]
+        if self.part_codes is not None:
+            if block.cut is None:
+                self.part_codes[i] = lambda: _factorize_table_column(dst)
+            else:
+                full, cut = (a if block.inverse is None else a[block.inverse]), block.cut
+                self.part_codes[i] = lambda: _cut_codes(_factorize_table_column(full), cut)
+
+    def column(self, sizes: list[int]):
+        """The finished column."""
+        if self.mode == "parts":
+            return _concat_frames_columns(self.parts, sizes)
+        if self.mode == "labels":
+            return _label_lookup(self.uniques)[self.codes]
+        return self.out
+
+    def label_codes(self):
+        """Thunk of the column's label codes as Table.concat merges them (None: factorized when asked)."""
+        if self.part_codes is None:
+            return None
+        parts = self.part_codes
+        return lambda: _merge_codes([f() for f in parts])
+
+
+def _window_table(blocks: list[bytes], start_s: float, end_s: float, node: str | None, mapper=map) -> Table | None:
+    """The blocks' rows in [start_s, end_s] (of ``node``) as one Table sorted by ``t``; None when none.
+
+    ``mapper`` runs a function over a list (``map``, or a thread pool's map: inflating and
+    decoding release the GIL).
+    """
+    def selected(data: bytes) -> _WindowBlock | None:
+        block = _WindowBlock(data)
+        if block.select(start_s, end_s, node):
+            return block
+        block.finish()  # a damaged block fails the read whether or not the window keeps its rows
+        return None
+
+    kept = [b for b in mapper(selected, blocks) if b is not None]
+    if not kept:
+        return None
+    sizes = [b.k for b in kept]
+    starts = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+    total = starts[-1]
+    outs = {name: _ColumnOut(name, kept, total) for name in dict.fromkeys(n for b in kept for n in b.metas)}
+
+    def fill(i: int) -> None:
+        block = kept[i]
+        block.finish()
+        for name in block.metas:
+            outs[name].write(i, block, starts[i])
+        block.block = block.head = block.rest = block.t = block.z = None
+
+    for _ in mapper(fill, range(len(kept))):
+        pass
+    columns = {name: out.column(sizes) for name, out in outs.items()}
+    codes = {name: (out.codes, out.uniques) for name, out in outs.items() if out.mode == "labels"}
+    later = {name: got for name, out in outs.items() if (got := out.label_codes()) is not None}
+    table = Table(total, columns, codes=codes)
+    if later:
+        table._code_source = lambda name: later[name]() if name in later else None
+    return table.sorted()
 
 
 def _flat_dicts(a):
@@ -1435,12 +1755,16 @@ class Store:
             for kind in wanted:
                 blocks: list[bytes] = []
                 if _table(kind) in present:
-                    sql = f"SELECT data FROM {_table(kind)} WHERE t_end >= ? AND t_start <= ?"
+                    sql = f"SELECT t_start, rowid, data FROM {_table(kind)} WHERE t_end >= ? AND t_start <= ?"
                     params: tuple = (start_s, end_s)
                     if node is not None:
                         sql += " AND (node = ? OR node IS NULL)"
                         params += (node,)
-                    blocks += [r[0] for r in self._query(sql + " ORDER BY t_start, rowid", params)]
+                    # Ordered here, not with ORDER BY: SQLite would copy every chunk's blob into
+                    # a temporary sort tree, which costs more than reading them.
+                    rows = self._query(sql, params)
+                    rows.sort(key=operator.itemgetter(0, 1))
+                    blocks += [r[2] for r in rows]
                 if not self.readonly:
                     blocks += [c.block for c in list(self._backlog)
                                if c.kind == kind and c.t_end >= start_s and c.t_start <= end_s]
@@ -1462,27 +1786,11 @@ class Store:
         arrays; the label codes each block was written with are kept, so nothing is factorized
         again (a DataFrame is still built when a caller asks ``window.tables`` for one).
         """
-        def rows_of(data: bytes) -> Table | None:
-            table = decode_table(data)
-            t = table.columns["t"]
-            keep = (t >= start_s) & (t <= end_s)
-            if node is not None and "node" in table.columns:
-                code = table.code_of("node", node)
-                keep &= table.codes("node")[0] == (-2 if code is None else code)
-            kept = int(keep.sum())
-            if kept == table.n:
-                return table
-            return table.take(np.flatnonzero(keep)) if kept else None
-
         if len(blocks) >= 2 * READ_THREADS > 2:
             # Inflating and decoding release the GIL: a day of a node reads in a fraction of the time.
             with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="gpudiag-store-read") as pool:
-                parts = [p for p in pool.map(rows_of, blocks) if p is not None]
-        else:
-            parts = [p for p in map(rows_of, blocks) if p is not None]
-        if not parts:
-            return None
-        return Table.concat(parts).sorted()
+                return _window_table(blocks, start_s, end_s, node, pool.map)
+        return _window_table(blocks, start_s, end_s, node)
 
     def findings(self, start_s: float, end_s: float, *, kinds: Iterable[str] | None = None,
                  gpu: int | None = None) -> list[dict]:

@@ -1,0 +1,200 @@
+"""A window read decodes blocks straight into the window's columns: exactly what a block-by-block read gives.
+
+The reference below is the plain way to read a window: decode every block into a
+Table of its own (:func:`decode_table`), cut it to the window (and node), join the
+pieces with ``Table.concat`` and sort by ``t``. The store's read must return the
+same Table: the same columns in the same order, dtypes, values, row order and
+label codes, for blocks that overlap, arrive out of order, lack columns, hold a
+column with different types, NaN and None, labels, JSON values and dicts.
+"""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from gpudiag.agent.store import Store, _columns_from_frames, _window_table, decode_table, encode_block
+from gpudiag.catalog import M
+from gpudiag.frames import DictColumn, Frame, Table
+
+T0 = 1_767_225_600.0
+
+
+def reference_table(blocks: list[bytes], start_s: float, end_s: float, node: str | None) -> Table | None:
+    """Each block decoded on its own, cut to [start_s, end_s] (and ``node``), joined, sorted by ``t``."""
+    parts = []
+    for data in blocks:
+        table = decode_table(data)
+        t = table.columns["t"]
+        keep = (t >= start_s) & (t <= end_s)
+        if node is not None and "node" in table.columns:
+            code = table.code_of("node", node)
+            keep &= table.codes("node")[0] == (-2 if code is None else code)
+        if keep.all():
+            parts.append(table)
+        elif keep.any():
+            parts.append(table.take(np.flatnonzero(keep)))
+    return Table.concat(parts).sorted() if parts else None
+
+
+def assert_same_values(have: list, want: list, where) -> None:
+    assert len(have) == len(want), where
+    for i, (a, b) in enumerate(zip(have, want)):
+        if isinstance(b, float) and math.isnan(b):
+            assert isinstance(a, float) and math.isnan(a), (where, i, a, b)
+        else:
+            assert type(a) is type(b) and a == b, (where, i, a, b)
+
+
+def assert_same_table(have: Table | None, want: Table | None) -> None:
+    """Same rows, columns (order, dtype, values, types of objects) and label codes of every column."""
+    if want is None:
+        assert have is None
+        return
+    assert have is not None and have.n == want.n
+    assert list(have.columns) == list(want.columns)
+    for name, w in want.columns.items():
+        h = have.columns[name]
+        if isinstance(w, DictColumn):
+            assert isinstance(h, DictColumn), name
+            assert h.layouts == w.layouts and np.array_equal(h.layout, w.layout), name
+            assert list(h.leaves) == list(w.leaves), name
+            for path in w.leaves:
+                assert np.array_equal(h.leaves[path], w.leaves[path], equal_nan=True), (name, path)
+            assert h.objects == w.objects and h.other == w.other, name
+            assert_same_values(h.to_objects().tolist(), w.to_objects().tolist(), name)
+        else:
+            assert h.dtype == w.dtype, (name, h.dtype, w.dtype)
+            assert_same_values(h.tolist(), w.tolist(), name)
+        hc, wc = have.codes(name), want.codes(name)
+        assert np.array_equal(hc[0], wc[0]), (name, "codes")
+        assert_same_values(list(hc[1]), list(wc[1]), (name, "uniques"))
+
+
+def varied_blocks(seed: int) -> list[bytes]:
+    """Blocks as a node's store holds them, and as it could: sealed and fresh, overlapping, out of order."""
+    rng = np.random.default_rng(seed)
+    blocks = []
+    start = T0
+    for _ in range(int(rng.integers(3, 8))):
+        ticks = int(rng.integers(1, 12))
+        # Blocks overlap their neighbours now and then, and one may start before the previous one.
+        start += float(rng.choice([ticks, ticks - 3, -5, ticks + 2]))
+        nodes = ["node-a"] if rng.random() < 0.5 else ["node-a", "node-b"]
+        with_dict, with_json, with_maybe = rng.random(3) < 0.5
+        mixed = rng.choice(["int", "float", "none", "bool", "absent"])
+        frames = []
+        for tick in range(ticks):
+            rows = []
+            for node in nodes:
+                for j in range(int(rng.integers(1, 4))):
+                    row = {"node": node, "gpu": j, "pid": 100 + j,
+                           "process": None if rng.random() < 0.1 else f"worker-{j}",
+                           M.process_gpu_memory_bytes: int(rng.integers(0, 1 << 40)),
+                           M.process_cpu_utilization_ratio: (math.nan if rng.random() < 0.1
+                                                             else round(float(rng.random()), 2)),
+                           M.process_thread_cpu_max_ratio: None if rng.random() < 0.1 else float(rng.normal(60, 5)),
+                           M.process_torch_segments: bool(rng.random() < 0.5)}
+                    if rng.random() < 0.2:
+                        row["t"] = start + tick - float(rng.uniform(0, 4))  # a row's own, earlier t
+                    if with_dict:
+                        row[M.process_context_switches_total] = None if rng.random() < 0.1 else {
+                            "voluntary": int(rng.integers(0, 1000)), "nested": {"x": float(rng.random())}}
+                    if with_json:
+                        row[M.process_resident_memory_bytes] = [None, "x", [1, 2], "ü"][int(rng.integers(0, 4))]
+                    if with_maybe:
+                        row[M.process_torch_ooms_total] = int(rng.integers(0, 9))
+                    if mixed != "absent":
+                        row[M.process_torch_alloc_retries_total] = {
+                            "int": int(rng.integers(0, 9)), "float": float(rng.random()), "none": None,
+                            "bool": bool(rng.random() < 0.5)}[mixed]
+                    rows.append(row)
+            frames.append(Frame("process", start + tick + float(rng.uniform(0, 0.01)), rows))
+        n, columns = _columns_from_frames(frames)
+        blocks.append(encode_block(columns, n, sealed=bool(rng.random() < 0.7)))
+    return blocks
+
+
+def windows_of(blocks: list[bytes]) -> list[tuple[float, float, str | None]]:
+    ts = np.concatenate([decode_table(b).columns["t"] for b in blocks])
+    lo, hi = float(ts.min()), float(ts.max())
+    mid = (lo + hi) / 2
+    return [(-math.inf, math.inf, None), (lo + 1.5, hi - 1.5, None), (lo + 1.5, hi - 1.5, "node-b"),
+            (mid, mid + 2.25, "node-a"), (lo, lo, None), (hi + 1, hi + 2, None), (lo, hi, "node-z")]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_window_read_gives_what_decoding_each_block_and_joining_them_gives(seed):
+    blocks = varied_blocks(seed)
+    for start_s, end_s, node in windows_of(blocks):
+        want = reference_table(blocks, start_s, end_s, node)
+        assert_same_table(Store._table_of(blocks, start_s, end_s, node), want)
+        with ThreadPoolExecutor(4) as pool:
+            assert_same_table(_window_table(blocks, start_s, end_s, node, pool.map), want)
+
+
+def test_blocks_in_time_order_are_joined_without_a_sort_and_others_are_sorted():
+    rng = np.random.default_rng(7)
+    blocks = []
+    for b in range(6):
+        frames = [Frame("gpu", T0 + 10 * b + i, [{"node": "n", "gpu": g, "util": float(rng.random())}
+                                                 for g in range(3)]) for i in range(10)]
+        n, columns = _columns_from_frames(frames)
+        blocks.append(encode_block(columns, n))
+    in_order = Store._table_of(blocks, T0 + 5, T0 + 55, None)
+    assert (np.diff(in_order.columns["t"]) >= 0).all() and in_order.n == 51 * 3
+    assert_same_table(in_order, reference_table(blocks, T0 + 5, T0 + 55, None))
+    shuffled = [blocks[i] for i in (3, 0, 5, 1, 4, 2)]
+    got = Store._table_of(shuffled, T0 + 5, T0 + 55, None)
+    assert (np.diff(got.columns["t"]) >= 0).all()
+    assert_same_table(got, reference_table(shuffled, T0 + 5, T0 + 55, None))
+
+
+def test_a_store_window_reads_chunks_in_start_order_with_ties_in_write_order(tmp_path):
+    """Chunks come back ordered by (t_start, rowid), as ORDER BY t_start, rowid orders them."""
+    path = str(tmp_path / "node.db")
+    rng = np.random.default_rng(11)
+    with Store.open(path, chunk_s=30) as store:
+        for tick in range(100):
+            t = T0 + tick
+            store.append([Frame("gpu", t, [{"node": "node-a", "gpu": g, "util": float(rng.random())}
+                                           for g in range(2)]),
+                          Frame("process", t, [{"node": "node-a", "gpu": 0, "pid": p, "process": f"w{p}",
+                                                "bytes": int(rng.integers(0, 1 << 30))} for p in range(3)])])
+            store.flush()
+    # A late chunk inside another one's span, with the same start and an earlier end: the
+    # index on (t_end, t_start) lists it first, the order of writing last; rows of equal t
+    # keep the order of their chunks.
+    conn = sqlite3.connect(path)
+    frames = [Frame("gpu", T0 + 30 + i, [{"node": "node-a", "gpu": 7, "util": 0.5}]) for i in range(11)]
+    n, columns = _columns_from_frames(frames)
+    conn.execute("INSERT INTO frames_gpu (t_start, t_end, node, n_rows, sealed, data) VALUES (?, ?, ?, ?, 1, ?)",
+                 (T0 + 30, T0 + 40, "node-a", n, encode_block(columns, n)))
+    conn.commit()
+    ordered = {kind: [r[0] for r in conn.execute(f"SELECT data FROM frames_{kind} ORDER BY t_start, rowid")]
+               for kind in ("gpu", "process")}
+    conn.close()
+    with Store.open(path, readonly=True) as reader:
+        for start_s, end_s in ((-math.inf, math.inf), (T0 + 12.5, T0 + 64)):
+            window = reader.window(start_s, end_s)
+            for kind, blocks in ordered.items():
+                assert_same_table(window.columns(kind), reference_table(blocks, start_s, end_s, None))
+            gpu = window.columns("gpu")
+            at = np.flatnonzero(gpu.columns["t"] == T0 + 30)
+            assert gpu.columns["gpu"][at].tolist() == [0, 1, 7]
+
+
+def test_the_comparison_catches_a_dropped_or_moved_row():
+    blocks = varied_blocks(3)
+    want = reference_table(blocks, -math.inf, math.inf, None)
+    dropped = want.take(np.arange(1, want.n))
+    with pytest.raises(AssertionError):
+        assert_same_table(dropped, want)
+    swapped = np.arange(want.n)
+    swapped[[0, -1]] = swapped[[-1, 0]]
+    with pytest.raises(AssertionError):
+        assert_same_table(want.take(swapped), want)
