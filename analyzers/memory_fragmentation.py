@@ -43,6 +43,7 @@ def analyze(window: Window) -> list[Finding]:
     if proc.empty or not window.has("process", M.process_torch_reserved_bytes):
         return []
     eng = window.rows("engine")
+    engine_series: dict = {}  # per (node, gpu): the engine's failure series, shared by its processes
     findings: list[Finding] = []
     for key, p in per_entity(proc, ["node", "gpu", "pid"]):
         if M.process_torch_largest_free_block_bytes not in p or p[M.process_torch_reserved_bytes].isna().all():
@@ -53,7 +54,7 @@ def analyze(window: Window) -> list[Finding]:
         largest = p[M.process_torch_largest_free_block_bytes].to_numpy(float)
         free = np.maximum(reserved - allocated, 0.0)
         frag = np.where(free > 0, 1.0 - largest / np.maximum(free, 1.0), 0.0)
-        failed_bytes, failures = _failures(p, eng, key, t)
+        failed_bytes, failures = _failures(p, eng, key, t, engine_series)
         with_free = (failures > 0) & (failed_bytes > largest) & (free >= failed_bytes)
         mask = with_free & (frag >= FRAGMENTATION_RATIO_THRESHOLD)
         for start, end in episodes(t, mask, MERGE_GAP_S):
@@ -85,10 +86,32 @@ def analyze(window: Window) -> list[Finding]:
     return findings
 
 
-def _failures(p, eng, key, t):
+def _failures(p, eng, key, t, engine_series: dict):
     """Per-sample failed request size and failure count, from the engine (or the allocator's OOMs)."""
     failed = np.zeros(len(t))
     count = np.zeros(len(t))
+    series = _engine_failures(eng, key, engine_series)
+    if series is not None:
+        et, fb, fc = series
+        idx = np.searchsorted(et, t)
+        ok = (idx < len(et)) & (et[np.minimum(idx, len(et) - 1)] == t)
+        failed[ok] = fb[idx[ok]]
+        count[ok] = np.maximum(fc[idx[ok]], 0)
+        return failed, count
+    if M.process_torch_ooms_total in p:
+        count = np.maximum(np.diff(p[M.process_torch_ooms_total].to_numpy(float), prepend=0.0), 0)
+    return failed, count
+
+
+def _engine_failures(eng, key, cache: dict):
+    """(t, failed request bytes, failures per sample) of the engine on the process's GPU, sorted by t; None without one.
+
+    Computed once per (node, gpu) and kept in ``cache``: every process on a GPU reads the same engine rows.
+    """
+    where = (key.get("node"), key.get("gpu"))
+    if where in cache:
+        return cache[where]
+    got = None
     if not eng.empty and M.engine_kv_failed_request_bytes in eng:
         e = eng
         for col in ("node", "gpu"):
@@ -96,16 +119,10 @@ def _failures(p, eng, key, t):
                 e = e[e[col] == key[col]]
         if not e.empty:
             e = e.sort_values("t")
-            idx = np.searchsorted(e["t"].to_numpy(float), t)
-            ok = (idx < len(e)) & (e["t"].to_numpy(float)[np.minimum(idx, len(e) - 1)] == t)
-            fb = e[M.engine_kv_failed_request_bytes].to_numpy(float)
-            fc = np.diff(e[M.engine_kv_alloc_failures_total].to_numpy(float), prepend=0.0)
-            failed[ok] = fb[idx[ok]]
-            count[ok] = np.maximum(fc[idx[ok]], 0)
-            return failed, count
-    if M.process_torch_ooms_total in p:
-        count = np.maximum(np.diff(p[M.process_torch_ooms_total].to_numpy(float), prepend=0.0), 0)
-    return failed, count
+            got = (e["t"].to_numpy(float), e[M.engine_kv_failed_request_bytes].to_numpy(float),
+                   np.diff(e[M.engine_kv_alloc_failures_total].to_numpy(float), prepend=0.0))
+    cache[where] = got
+    return got
 
 
 def _delta(df, col, sel) -> float:

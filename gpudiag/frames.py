@@ -425,12 +425,14 @@ def _factorize(values: np.ndarray) -> tuple[np.ndarray, list]:
             return np.zeros(0, dtype=np.int64), []
         lo, hi = int(v.min()), int(v.max())
         if hi - lo <= 4 * n + 4096:
+            offset = v - lo if lo else v
             seen = np.zeros(hi - lo + 1, dtype=bool)
-            seen[v - lo] = True
-            lut = np.cumsum(seen) - 1
+            seen[offset] = True
+            lut = np.cumsum(seen)
+            lut -= 1
             uniq = (np.flatnonzero(seen) + lo)
             uniques = uniq.astype(bool).tolist() if values.dtype.kind == "b" else uniq.tolist()
-            return lut[v - lo], uniques
+            return lut[offset], uniques
         uniq, codes = np.unique(v, return_inverse=True)
         return codes.astype(np.int64), uniq.tolist()
     if values.dtype.kind == "f":
@@ -806,11 +808,12 @@ def _group(table: Table, idx: np.ndarray | None, keys: tuple[str, ...]):
         codes, uniques = table.codes(name)
         if idx is not None:
             codes = codes[idx]
-        c = np.where(codes < 0, len(uniques), codes)
+        # The missing label sorts last: code len(uniques). A column without one is used as it is.
+        c = np.where(codes < 0, len(uniques), codes) if len(codes) and codes.min() < 0 else codes
         levels.append((c, uniques))
         width = len(uniques) + 1
         if combined is None:
-            combined = c.astype(np.int64)
+            combined = np.asarray(c, dtype=np.int64)
         else:
             if len(combined) and int(combined.max()) >= (2**62) // width:
                 combined, _ = _dense(combined)

@@ -258,6 +258,28 @@ def test_entity_groups_kept_by_the_buffer_match_a_sort_of_the_window():
         assert all(np.array_equal(a, b) for a, b in zip(got[1], want[1]))
 
 
+def test_table_groups_are_pandas_groups_with_missing_labels_last():
+    """Row positions per group, in the order groupby(sort=True, dropna=False) gives, for int, float and object keys."""
+    rng = np.random.default_rng(5)
+    n = 4000
+    gpu = rng.integers(0, 4, n)  # never missing
+    pid = rng.choice([101.0, 7.0, np.nan, 55.0], n)  # missing sorts last
+    name = np.array(rng.choice(["b", "a", None], n), dtype=object)
+    big = rng.integers(10**12, 10**12 + 3, n)  # a dense lookup far from zero
+    table = Table(n, {"gpu": gpu, "pid": pid, "name": name, "big": big})
+    df = pd.DataFrame({"gpu": gpu, "pid": pid, "name": name, "big": big})
+    for keys in (("gpu",), ("pid",), ("name",), ("gpu", "pid"), ("pid", "name", "gpu"), ("big", "gpu")):
+        got_keys, got_rows = table.groups(keys)
+        want = df.groupby(list(keys), sort=True, dropna=False).indices
+        want_keys = list(want)
+        assert len(got_keys) == len(want_keys), keys
+        for gk, wk, rows in zip(got_keys, want_keys, got_rows):
+            wk = wk if isinstance(wk, tuple) else (wk,)
+            assert all((isinstance(a, float) and math.isnan(a) and (b is None or b != b)) or a == b
+                       or (a is None and b != b) for a, b in zip(gk, wk)), (keys, gk, wk)
+            assert np.array_equal(rows, want[wk if len(keys) > 1 else wk[0]]), (keys, gk)
+
+
 def test_the_fast_percentile_is_numpys_linear_percentile_to_the_last_bit():
     rng = np.random.default_rng(11)
     for trial in range(3000):
