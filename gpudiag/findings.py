@@ -106,6 +106,15 @@ def _clean(v):
     return v
 
 
+def deep_clean(v):
+    """:func:`_clean` applied through nested dicts and lists: a document ready for json.dumps."""
+    if isinstance(v, dict):
+        return {k: deep_clean(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [deep_clean(x) for x in v]
+    return _clean(v)
+
+
 def worst_severity(findings: list[Finding]) -> Severity | None:
     """The highest severity among findings, or None for an empty list."""
     if not findings:

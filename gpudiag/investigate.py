@@ -16,15 +16,17 @@ import re
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pandas as pd
 
 from gpudiag.catalog import M
 from gpudiag.errors import GpudiagError
-from gpudiag.findings import Finding, Severity, worst_severity
+from gpudiag.findings import Finding, Severity, deep_clean, worst_severity
 from gpudiag.frames import Window
+
+if TYPE_CHECKING:  # pandas is imported by the chart functions only: a --json investigation never needs it
+    import pandas as pd
 
 DEFAULT_SINCE_S = 1800.0
 # Charts bin per minute: the TPOT P99 of a minute of finished requests is what an SLO dashboard shows.
@@ -321,8 +323,6 @@ def exit_code(findings: list[Finding]) -> int:
 
 def document(window: Window, findings: list[Finding]) -> dict[str, Any]:
     """The investigation document (``--json``; schema in the README)."""
-    from gpudiag.repro import _deep_clean
-
     worst = worst_severity(findings)
     doc = {
         "window": {"start_s": window.start_s, "end_s": window.end_s, "node": window.node},
@@ -333,7 +333,7 @@ def document(window: Window, findings: list[Finding]) -> dict[str, Any]:
         "memory": memory(window, findings),
         "next_steps": next_steps(findings),
     }
-    doc = _deep_clean(doc)
+    doc = deep_clean(doc)
     # Finding.to_dict rounds to display precision; keep the window's edges exact for scripts that re-query.
     doc["window"]["start_s"], doc["window"]["end_s"] = float(window.start_s), float(window.end_s)
     return doc
@@ -351,6 +351,8 @@ CHART_TITLES = (
 
 def _x(t: np.ndarray):
     """Chart x values: datetimes for Unix times, seconds for a simulated time base."""
+    import pandas as pd
+
     t = np.asarray(t, dtype=float)
     if t.size and np.nanmin(t) >= 1e9:
         return pd.to_datetime(t, unit="s", utc=True)
@@ -395,6 +397,8 @@ def _memory_figure(window: Window):
 
 def per_minute_tpot_p99(requests: pd.DataFrame) -> pd.DataFrame:
     """TPOT P99 of the requests that finished in each minute: columns ``t`` (bin start) and ``tpot_p99_s``."""
+    import pandas as pd
+
     col = M.inter_token_latency_seconds
     if requests.empty or col not in requests:
         return pd.DataFrame({"t": [], "tpot_p99_s": []})
@@ -406,6 +410,8 @@ def per_minute_tpot_p99(requests: pd.DataFrame) -> pd.DataFrame:
 
 def interval_p99(engine: pd.DataFrame, col: str) -> pd.DataFrame:
     """Columns ``t`` and ``p99_s``: the P99 of each interval summary (``{"window": {...}}``) of a latency column."""
+    import pandas as pd
+
     t, v = [], []
     if not engine.empty and col in engine:
         for ti, s in zip(engine["t"].tolist(), engine[col].tolist()):
@@ -443,6 +449,8 @@ def _util_figure(window: Window):
 
 def _counter_per_minute(eng: pd.DataFrame, col: str) -> pd.Series:
     """Per-minute increase of a cumulative counter, summed over engines (a reset counts from zero)."""
+    import pandas as pd
+
     labels = [c for c in ("gpu", "engine") if c in eng]
     groups = (rows for _, rows in eng.groupby(labels, sort=True)) if labels else [eng]
     parts = []

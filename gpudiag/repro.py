@@ -17,7 +17,7 @@ import pandas as pd
 from gpudiag.analyzers.common import counter_increase
 from gpudiag.analyzers.registry import run_all
 from gpudiag.catalog import M
-from gpudiag.findings import Finding, _clean
+from gpudiag.findings import Finding, deep_clean
 from gpudiag.frames import Window
 from gpudiag.reference_engine.engine import SimEngine
 from gpudiag.reference_engine.scenarios import Scenario
@@ -155,13 +155,5 @@ def document(res: RunResult) -> dict[str, Any]:
         },
         "findings": [f.to_dict() for f in res.findings],
     }
-    return _deep_clean(doc)
-
-
-def _deep_clean(v):
-    if isinstance(v, dict):
-        return {k: _deep_clean(x) for k, x in v.items()}
-    if isinstance(v, list):
-        return [_deep_clean(x) for x in v]
-    return _clean(v)
+    return deep_clean(doc)
 

@@ -175,3 +175,22 @@ def test_one_gpu_of_a_node_shows_only_its_processes_with_their_last_observed_col
     assert memory[100]["white_bytes"] == 1e9 + 299 and memory[100]["black_bytes"] == 3e9 + 299
     assert memory[101]["black_bytes"] == 3e9 + 289  # the last sample that had it
     assert memory[101]["process"] == "w11"
+
+
+def test_a_json_investigation_loads_neither_pandas_nor_the_repro_runner(storm_store):
+    """An on-call `investigate --json` reads columns: pandas (charts only) and the repro runner cost it 0.4 s."""
+    import subprocess
+    import sys
+
+    code = ("import sys, json\n"
+            "from gpudiag.cli import main\n"
+            "try:\n    rc = main(sys.argv[1:])\nexcept SystemExit as exc:\n    rc = exc.code\n"
+            "loaded = [m for m in ('pandas', 'gpudiag.repro') if m in sys.modules]\n"
+            "print('LOADED', json.dumps([rc, loaded]), file=sys.stderr)\n")
+    p = subprocess.run([sys.executable, "-c", code, *_window(storm_store, 0, 7200), "--json"],
+                       capture_output=True, text=True, timeout=600)
+    assert json.loads(p.stdout)["findings"], "the investigation found nothing: the check would prove little"
+    line = [x for x in p.stderr.splitlines() if x.startswith("LOADED ")][-1]
+    rc, loaded = json.loads(line[len("LOADED "):])
+    assert rc == 1, p.stderr
+    assert loaded == []
