@@ -30,10 +30,10 @@ from gpudiag.analyzers import throttling
 from gpudiag.analyzers.registry import ANALYZERS
 from gpudiag.findings import ALERT_PREFIX, alert_name
 
+from . import DEFAULT_RUNBOOK_BASE_URL  # noqa: F401 - re-exported: dashboards and tests read it here
 from . import external_metrics as ext
 
 M = catalog.M
-DEFAULT_RUNBOOK_BASE_URL = "https://github.com/gpudiag/gpudiag/blob/main"
 RULES_FILE = "alerts.yaml"
 
 # --- golden-signal thresholds (SCENARIOS.md, "Other signals from the reports") ---

@@ -296,6 +296,8 @@ def _last_observed(rows, column: str):
 
 def next_steps(findings: list[Finding]) -> list[dict[str, Any]]:
     """Per runbook the findings point at: the runbook command and the repro commands that check a fix."""
+    if not any(f.runbook for f in findings):
+        return []  # the scenario table (and the simulator behind it) is read only to name fixes
     from gpudiag.reference_engine.scenarios import SCENARIOS
 
     out: dict[str, dict[str, Any]] = {}

@@ -48,7 +48,7 @@ def export(out: Path, runbook_base_url: str) -> dict[str, list[str]]:
 
 def register(app: typer.Typer) -> None:
     """Add ``gpudiag dashboards export|generate``."""
-    from gpudiag.dashboards.alerts import DEFAULT_RUNBOOK_BASE_URL
+    from gpudiag.dashboards import DEFAULT_RUNBOOK_BASE_URL
 
     sub = typer.Typer(help="Grafana dashboards, Prometheus alert rules and runbooks.", no_args_is_help=True)
 
