@@ -725,8 +725,8 @@ class _WindowBlock:
     (None: every row, stored as appended).
     """
 
-    __slots__ = ("block", "cut", "fed", "head", "inverse", "k", "metas", "n", "offsets", "rest", "sizes", "src",
-                 "t", "z")
+    __slots__ = ("block", "cut", "fed", "head", "inverse", "k", "metas", "n", "offsets", "order", "rest", "sizes",
+                 "src", "t", "z")
 
     def __init__(self, block: bytes):
         if block[:4] != _BLOCK_MAGIC:
@@ -748,12 +748,13 @@ class _WindowBlock:
             self.offsets[meta["name"]] = pos
             self.sizes[meta["name"]] = _column_bytes(meta)
             pos += self.sizes[meta["name"]]
-        self.inverse = None
+        self.inverse = self.order = None
         if order is not None:
             self._inflate_to(head_len + order["sizes"][0])
             order = _decode_ints(order, memoryview(self.head)[head_len:head_len + order["sizes"][0]], n)
             self.inverse = np.empty(n, dtype=np.int64)
             self.inverse[order] = np.arange(n)
+            self.order = order
         self.k, self.cut, self.src, self.t = n, None, self.inverse, None
 
     def _inflate_to(self, size: int) -> None:
@@ -809,6 +810,18 @@ class _WindowBlock:
         if self.cut is None:
             return a
         return a.take(self.cut) if isinstance(a, DictColumn) else a[self.cut]
+
+    def entity_order(self) -> np.ndarray | None:
+        """The kept rows (as positions among them) in stored order, which groups them by entity; None when unordered.
+
+        Within one entity the rows keep their appended order: the stored order is a stable sort.
+        A block stored as appended (one entity, or one row per entity) has no order.
+        """
+        if self.order is None:
+            return None
+        if self.cut is None:
+            return self.order
+        return np.argsort(self.src, kind="stable")
 
     def select(self, start_s: float, end_s: float, node: str | None) -> int:
         """Keep the rows with ``start_s <= t <= end_s`` (of ``node``); the number kept."""
@@ -941,6 +954,100 @@ class _ColumnOut:
         return lambda: _merge_codes([f() for f in parts])
 
 
+class _EntityRuns:
+    """Entity groups of a window read from the blocks' stored order, without sorting the window.
+
+    Every block stores its rows grouped by entity (all its label columns), each entity's
+    rows in time order, and the blocks follow each other in time. So a group of any label
+    columns is, block after block, the runs of stored rows that share those labels:
+    :meth:`Table.groups` gets the row positions of each group from those runs in one pass,
+    where a sort of the whole window by the labels' codes would cost a factorize and an
+    argsort of every row. Groups are ordered as :func:`gpudiag.frames._group` orders them
+    (sorted values, the missing label last); None (sort instead) for a dict column or
+    labels that do not sort.
+    """
+
+    # A block stored as appended is read as runs of equal labels too; past this many runs (rows of
+    # many entities interleaved, as finished requests are) sorting the window is cheaper.
+    MAX_UNORDERED_RUNS = 4096
+
+    def __init__(self, table: Table, starts: list[int], orders: list[np.ndarray | None]):
+        self.table, self.starts, self.orders = table, starts, orders
+
+    def _levels(self, keys):
+        levels = []
+        for name in keys:
+            col = self.table.columns.get(name)
+            if not isinstance(col, np.ndarray):
+                return None
+            if col.dtype == object:
+                codes, uniques = self.table.codes(name)
+                levels.append(("codes", codes, uniques))
+            elif col.dtype.kind in "iub":
+                levels.append(("int", col, None))
+            elif col.dtype.kind == "f":
+                levels.append(("float", col, None))
+            else:
+                return None
+        return levels
+
+    def __call__(self, keys: tuple[str, ...]):
+        levels = self._levels(keys)
+        if levels is None:
+            return None
+        pieces: dict[tuple, list[np.ndarray]] = {}
+        ranks: dict[tuple, tuple] = {}
+        for i, order in enumerate(self.orders):
+            at, k = self.starts[i], self.starts[i + 1] - self.starts[i]
+            if not k:
+                continue
+            unordered = order is None
+            if unordered:
+                order = np.arange(k)
+            values = [a[at:at + k][order] for _, a, _ in levels]
+            change = np.zeros(max(k - 1, 0), dtype=bool)
+            for (kind, _, _), v in zip(levels, values):
+                differs = v[1:] != v[:-1]
+                if kind == "float":
+                    differs &= ~(np.isnan(v[1:]) & np.isnan(v[:-1]))
+                change |= differs
+            bounds = np.concatenate([[0], np.flatnonzero(change) + 1, [k]])
+            if unordered and len(bounds) - 1 > self.MAX_UNORDERED_RUNS:
+                return None
+            firsts = [v[bounds[:-1]].tolist() for v in values]
+            for r, raw in enumerate(zip(*firsts)):
+                key = []
+                rank = []
+                for (kind, _, uniques), x in zip(levels, raw):
+                    if kind == "codes":
+                        key.append(uniques[x] if x >= 0 else _NAN)
+                        rank.append(x if x >= 0 else len(uniques))
+                    elif kind == "float" and x != x:
+                        key.append(_NAN)
+                        rank.append((1, 0.0))
+                    else:
+                        key.append(x)
+                        rank.append((0, x))
+                ident = tuple(rank)
+                got = pieces.get(ident)
+                if got is None:
+                    got = pieces[ident] = []
+                    ranks[ident] = tuple(key)
+                got.append(order[bounds[r]:bounds[r + 1]] + at)
+        try:
+            idents = sorted(pieces)
+        except TypeError:
+            return None
+        parts = []
+        for ident in idents:
+            got = pieces[ident]
+            rows = got[0].astype(np.int64) if len(got) == 1 else np.concatenate(got).astype(np.int64, copy=False)
+            if len(rows) > 1 and not (rows[1:] > rows[:-1]).all():
+                rows.sort()  # runs of two entities with the same labels, or a block's rows out of time order
+            parts.append(rows)
+        return [ranks[ident] for ident in idents], parts
+
+
 def _window_table(blocks: list[bytes], start_s: float, end_s: float, node: str | None, mapper=map) -> Table | None:
     """The blocks' rows in [start_s, end_s] (of ``node``) as one Table sorted by ``t``; None when none.
 
@@ -962,12 +1069,15 @@ def _window_table(blocks: list[bytes], start_s: float, end_s: float, node: str |
     total = starts[-1]
     outs = {name: _ColumnOut(name, kept, total) for name in dict.fromkeys(n for b in kept for n in b.metas)}
 
+    entity_orders: list[np.ndarray | None] = [None] * len(kept)
+
     def fill(i: int) -> None:
         block = kept[i]
         block.finish()
         for name in block.metas:
             outs[name].write(i, block, starts[i])
-        block.block = block.head = block.rest = block.t = block.z = None
+        entity_orders[i] = block.entity_order()
+        block.block = block.head = block.rest = block.t = block.z = block.order = None
 
     for _ in mapper(fill, range(len(kept))):
         pass
@@ -977,7 +1087,10 @@ def _window_table(blocks: list[bytes], start_s: float, end_s: float, node: str |
     table = Table(total, columns, codes=codes)
     if later:
         table._code_source = lambda name: later[name]() if name in later else None
-    return table.sorted()
+    ordered = table.sorted()
+    if ordered is table:
+        table._group_source = _EntityRuns(table, starts, entity_orders)
+    return ordered
 
 
 def _flat_dicts(a):

@@ -75,6 +75,25 @@ def assert_same_table(have: Table | None, want: Table | None) -> None:
         assert_same_values(list(hc[1]), list(wc[1]), (name, "uniques"))
 
 
+GROUP_KEYS = [("gpu",), ("gpu", "pid"), ("node", "gpu", "pid"), ("process",), ("pid", "process"), ("process", "node"),
+              (M.process_torch_segments,), ("gpu", M.process_cpu_utilization_ratio)]
+
+
+def assert_same_groups(table: Table | None) -> None:
+    """Entity groups of a read window are those a sort of its labels gives (positions in table order)."""
+    if table is None:
+        return
+    for keys in GROUP_KEYS:
+        if not all(k in table.columns for k in keys):
+            continue
+        fresh = Table(table.n, dict(table.columns))
+        got, want = table.groups(keys), fresh.groups(keys)
+        assert_same_values([v for k in got[0] for v in k], [v for k in want[0] for v in k], keys)
+        assert len(got[1]) == len(want[1]), keys
+        for a, b in zip(got[1], want[1]):
+            assert np.array_equal(a, b), keys
+
+
 def varied_blocks(seed: int) -> list[bytes]:
     """Blocks as a node's store holds them, and as it could: sealed and fresh, overlapping, out of order."""
     rng = np.random.default_rng(seed)
@@ -132,9 +151,46 @@ def test_a_window_read_gives_what_decoding_each_block_and_joining_them_gives(see
     blocks = varied_blocks(seed)
     for start_s, end_s, node in windows_of(blocks):
         want = reference_table(blocks, start_s, end_s, node)
-        assert_same_table(Store._table_of(blocks, start_s, end_s, node), want)
+        have = Store._table_of(blocks, start_s, end_s, node)
+        assert_same_table(have, want)
+        assert_same_groups(have)
         with ThreadPoolExecutor(4) as pool:
             assert_same_table(_window_table(blocks, start_s, end_s, node, pool.map), want)
+
+
+def in_time_order_blocks(seed: int) -> list[bytes]:
+    """Blocks one after another in time whose entities come and go: labels missing, NaN, renamed, repeated."""
+    rng = np.random.default_rng(seed)
+    blocks, t = [], T0
+    for _ in range(int(rng.integers(2, 7))):
+        frames = []
+        for _ in range(int(rng.integers(1, 15))):
+            rows = []
+            for j in rng.permutation(6)[:int(rng.integers(1, 7))]:
+                j = int(j)
+                rows.append({"node": "node-a" if j % 3 else "node-b", "gpu": j % 2,
+                             "pid": 100 + j if j != 5 else math.nan,
+                             "process": [f"worker-{j}", None, "x"][int(rng.integers(0, 3))] if j > 3 else f"w{j}",
+                             M.process_torch_segments: bool(j % 2),
+                             M.process_cpu_utilization_ratio: [0.5, math.nan, 0.25][j % 3],
+                             M.process_gpu_memory_bytes: int(rng.integers(0, 1 << 30))})
+            frames.append(Frame("process", t, rows))
+            t += 1.0
+        n, columns = _columns_from_frames(frames)
+        blocks.append(encode_block(columns, n, sealed=bool(rng.random() < 0.7)))
+    return blocks
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_entity_groups_of_a_window_come_from_the_blocks_stored_order_and_match_a_sort(seed):
+    blocks = in_time_order_blocks(seed)
+    used = 0
+    for start_s, end_s, node in windows_of(blocks):
+        have = Store._table_of(blocks, start_s, end_s, node)
+        assert_same_table(have, reference_table(blocks, start_s, end_s, node))
+        assert_same_groups(have)
+        used += have is not None and have._group_source is not None
+    assert used, "no window was read with the blocks' entity runs: the test would check only the sort"
 
 
 def test_blocks_in_time_order_are_joined_without_a_sort_and_others_are_sorted():
