@@ -524,3 +524,23 @@ def test_a_healthy_node_produces_no_finding_from_any_analyzer():
                                  M.engine_requests_arrived_total: lambda t: 80 * t}),
         request=request_rows(n, qps=5))
     assert run_all(w) == []
+
+
+def test_cotenant_memory_summed_per_tick_is_the_sort_and_bincount_sum_to_the_bit():
+    """Samples on the longest process' ticks are found by search; anything else is sorted; both sum the same."""
+    from gpudiag.analyzers.gpu_cotenant import _held_by_t
+
+    def reference(times, held):
+        uniq, inverse = np.unique(np.concatenate(times), return_inverse=True)
+        return uniq, np.bincount(inverse, weights=np.concatenate(held), minlength=len(uniq))
+
+    rng = np.random.default_rng(7)
+    grid = np.cumsum(rng.uniform(0.5, 1.5, 500))
+    subsets = [grid, grid[rng.random(500) < 0.3], grid[100:200], grid[:0], grid[rng.random(500) < 0.9]]
+    held = [rng.uniform(0, 2**40, len(x)) if i % 2 else rng.integers(0, 2**40, len(x)) for i, x in enumerate(subsets)]
+    off_grid = [*subsets[:-1], np.sort(np.append(subsets[-1], grid[3] + 0.125))]
+    off_held = [*held[:-1], rng.uniform(0, 1e9, len(off_grid[-1]))]
+    for times, values in ((subsets, held), (subsets[1:], held[1:]), (off_grid, off_held)):
+        got_t, got = _held_by_t(times, values)
+        want_t, want = reference(times, values)
+        assert np.array_equal(got_t, want_t) and np.array_equal(got, want)
