@@ -79,7 +79,20 @@ import numpy as np
 
 from gpudiag.catalog import CATALOG, M
 from gpudiag.errors import GpudiagError
-from gpudiag.frames import _NAN, FRAME_KINDS, DictColumn, Frame, Table, Window, _cut_codes, _merge_codes, _sorted_codes
+from gpudiag.frames import (
+    _NAN,
+    FRAME_KINDS,
+    DictColumn,
+    Frame,
+    Table,
+    Window,
+    _cut_codes,
+    _fill_of,
+    _is_na,
+    _live_dtype,
+    _merge_codes,
+    _sorted_codes,
+)
 from gpudiag.frames import _concat_columns as _concat_frames_columns
 from gpudiag.frames import _factorize as _factorize_table_column
 
@@ -514,6 +527,14 @@ class _Cursor:
         return part
 
 
+def _label_lookup(values: list, missing=_NAN) -> np.ndarray:
+    """Code -> value object array of a coded column; code -1 (the last entry) reads as ``missing``."""
+    lookup = np.empty(len(values) + 1, dtype=object)
+    lookup[:-1] = values
+    lookup[-1] = missing
+    return lookup
+
+
 def _decode_column(meta: dict, cur: _Cursor, n: int, labels: dict | None = None):
     """One column of a block; with ``labels``, a string column's (codes, values) go there (-1: missing)."""
     codec = meta["codec"]
@@ -543,14 +564,12 @@ def _decode_column(meta: dict, cur: _Cursor, n: int, labels: dict | None = None)
         out[:] = None
         return out
     values = meta["values"] if codec == "str" else [json.loads(v) for v in meta["values"]]
-    lookup = np.empty(len(values) + 1, dtype=object)
-    lookup[:-1] = values
-    lookup[-1] = None
     codes = _unshuffle(parts[0], np.dtype(f"<i{meta['width']}"), n)
-    if labels is not None and codec == "str":
+    as_labels = labels is not None and codec == "str"
+    if as_labels:
         labels[meta["name"]] = (codes, values)
-        lookup[-1] = _NAN  # as a pandas string column holds a missing label
-    return lookup[codes]
+    # A missing label reads as NaN, as a pandas string column holds it.
+    return _label_lookup(values, _NAN if as_labels else None)[codes]
 
 
 def _entity_order(columns: dict, n: int) -> np.ndarray | None:
@@ -706,14 +725,6 @@ def _part_dtype(meta: dict) -> np.dtype | None:
     return _NUMERIC_CODECS[codec]
 
 
-def _label_lookup(values: list) -> np.ndarray:
-    """Code -> label object array of a string column (a missing label, -1, reads as NaN)."""
-    lookup = np.empty(len(values) + 1, dtype=object)
-    lookup[:-1] = values
-    lookup[-1] = _NAN
-    return lookup
-
-
 class _WindowBlock:
     """One block of a window read: its payload, inflated in two steps, and the rows the window keeps.
 
@@ -848,7 +859,7 @@ class _WindowBlock:
             return table.codes("node")[0] == (-2 if code is None else code)
         codes, values = self.stored("node")
         try:
-            code = None if _is_missing(node) else {v: i for i, v in enumerate(values)}.get(node)
+            code = None if _is_na(node) else {v: i for i, v in enumerate(values)}.get(node)
         except TypeError:
             code = None
         if code is None:
@@ -856,10 +867,6 @@ class _WindowBlock:
         if self.inverse is not None:
             codes = codes[self.inverse]
         return codes == code
-
-
-def _is_missing(v) -> bool:
-    return v is None or (isinstance(v, float) and v != v)
 
 
 class _ColumnOut:
@@ -890,18 +897,13 @@ class _ColumnOut:
             self.codes = np.empty(total, dtype=np.int64)
             return
         self.mode = "array"
-        if len(set(present)) == 1 and not missing:
-            dtype, fill = present[0], None
-        elif {d.kind for d in present} <= {"i", "u", "f"}:
-            dtype, fill = np.dtype(np.float64), np.nan
-        else:
-            dtype, fill = _OBJECT, _NAN
+        dtype = _live_dtype(dtypes)  # Table.concat's promotion: float64 for mixed numbers, else object
         self.out = np.empty(total, dtype=dtype)
         if missing:
             at = 0
             for b, m in zip(blocks, metas):
                 if m is None:
-                    self.out[at:at + b.k] = fill
+                    self.out[at:at + b.k] = _fill_of(dtype)
                 at += b.k
         if dtype == _OBJECT and not missing and all(d == _OBJECT for d in present):
             self.part_codes = [None] * len(blocks)  # each block's label codes, merged when asked

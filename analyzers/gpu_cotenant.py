@@ -233,12 +233,11 @@ def _held_by_t(times: list[np.ndarray], held: list[np.ndarray]) -> tuple[np.ndar
     """(sample times, memory summed over the processes at each)."""
     grid = max(times, key=len) if times else None
     if grid is not None and len(grid) and bool((grid[1:] > grid[:-1]).all()):
-        # Processes sampled at the ticks of the longest one (the usual case): each sample's tick is
-        # found by a search instead of sorting every sample of the GPU; bincount adds them in the
-        # order the general path below does, so the sums are the same to the bit.
+        # Processes sampled at the ticks of the longest one (the usual case), which are then all the
+        # ticks: each sample's tick is found by a search instead of sorting every sample of the GPU;
+        # bincount adds them in the order the general path below does, so the sums agree to the bit.
         at = [np.searchsorted(grid, x) for x in times]
         if all(len(x) == 0 or (int(i.max()) < len(grid) and np.array_equal(grid[i], x)) for i, x in zip(at, times)):
-            # The longest process holds every tick, so the ticks are exactly the grid's.
             return grid, np.bincount(np.concatenate(at), weights=np.concatenate(held), minlength=len(grid))
     t = np.concatenate(times)
     uniq, inverse = np.unique(t, return_inverse=True)
