@@ -830,9 +830,10 @@ class _WindowBlock:
         """
         if self.order is None:
             return None
+        # Kept with the window as long as it lives: 32-bit positions (a block holds far fewer rows).
         if self.cut is None:
-            return self.order
-        return np.argsort(self.src, kind="stable")
+            return self.order.astype(np.int32)
+        return np.argsort(self.src, kind="stable").astype(np.int32)
 
     def select(self, start_s: float, end_s: float, node: str | None) -> int:
         """Keep the rows with ``start_s <= t <= end_s`` (of ``node``); the number kept."""
@@ -1017,6 +1018,7 @@ class _EntityRuns:
             if unordered and len(bounds) - 1 > self.MAX_UNORDERED_RUNS:
                 return None
             firsts = [v[bounds[:-1]].tolist() for v in values]
+            positions = order.astype(np.int64) + at  # window rows, run after run
             for r, raw in enumerate(zip(*firsts)):
                 key = []
                 rank = []
@@ -1035,7 +1037,7 @@ class _EntityRuns:
                 if got is None:
                     got = pieces[ident] = []
                     ranks[ident] = tuple(key)
-                got.append(order[bounds[r]:bounds[r + 1]] + at)
+                got.append(positions[bounds[r]:bounds[r + 1]])
         try:
             idents = sorted(pieces)
         except TypeError:
@@ -1043,9 +1045,9 @@ class _EntityRuns:
         parts = []
         for ident in idents:
             got = pieces[ident]
-            rows = got[0].astype(np.int64) if len(got) == 1 else np.concatenate(got).astype(np.int64, copy=False)
+            rows = got[0] if len(got) == 1 else np.concatenate(got)
             if len(rows) > 1 and not (rows[1:] > rows[:-1]).all():
-                rows.sort()  # runs of two entities with the same labels, or a block's rows out of time order
+                rows = np.sort(rows)  # runs of two entities with the same labels, or a block's rows out of time order
             parts.append(rows)
         return [ranks[ident] for ident in idents], parts
 
