@@ -19,6 +19,7 @@ import pandas as pd
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_store_window import as_zlib_block
 
 from gpudiag.agent.store import SCHEMA_VERSION, Store, decode_block, encode_block
 from gpudiag.catalog import M
@@ -95,7 +96,7 @@ def test_a_new_store_runs_in_wal_mode_at_the_current_schema(tmp_path):
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     conn.close()
     assert meta["schema_version"] == SCHEMA_VERSION
-    assert [m["name"] for m in meta["migrations"]] == ["initial", "findings_entity"]
+    assert [m["name"] for m in meta["migrations"]] == ["initial", "findings_entity", "zstd_chunks"]
 
 
 def test_frames_read_back_exactly_as_appended_before_and_after_sealing(tmp_path):
@@ -266,7 +267,7 @@ def test_retention_by_size_keeps_the_file_under_max_bytes_and_the_newest_frames(
 
 
 def _write_schema_1(path: str) -> None:
-    """A store as schema 1 laid it out: no node/gpu columns on findings."""
+    """A store as schema 1 laid it out: no node/gpu columns on findings, zlib chunks."""
     conn = sqlite3.connect(path)
     conn.executescript("""
         PRAGMA journal_mode = WAL;
@@ -283,7 +284,7 @@ def _write_schema_1(path: str) -> None:
     frames = [fr for tick in range(10) for fr in node_frames(tick) if fr.kind == "gpu"]
     n, columns = _columns_from_frames(frames)
     conn.execute("INSERT INTO frames_gpu VALUES (?, ?, 'node-a', ?, 1, ?)",
-                 (T0, T0 + 9.01, n, encode_block(columns, n)))
+                 (T0, T0 + 9.01, n, as_zlib_block(encode_block(columns, n))))
     finding = Finding("cpu_starved", Severity.WARNING, T0, T0 + 9, "host-bound", gpu=1, node="node-a")
     d = finding.to_dict()
     conn.execute("INSERT INTO findings VALUES (?, ?, ?, ?, ?, ?)",
@@ -301,12 +302,18 @@ def test_a_schema_1_store_is_readable_and_migrated_on_the_first_write_open(tmp_p
     with Store.open(path) as store:
         meta = store.meta()
         assert meta["schema_version"] == SCHEMA_VERSION
-        assert [m["name"] for m in meta["migrations"]] == ["initial", "findings_entity"]
+        assert [m["name"] for m in meta["migrations"]] == ["initial", "findings_entity", "zstd_chunks"]
         assert len(store.window(-math.inf, math.inf).table("gpu")) == 20
+        old = store.window(-math.inf, math.inf).table("gpu")
         assert [f["kind"] for f in store.findings(-math.inf, math.inf, gpu=1)] == ["cpu_starved"]
         store.append(node_frames(10))
         store.flush()
+    with Store.open(path, readonly=True) as reader:  # the zlib chunk and the new zstd chunks read side by side
+        both = reader.window(-math.inf, math.inf).table("gpu")
+    assert len(both) == 20 + 2
+    pd.testing.assert_frame_equal(both.iloc[:20].reset_index(drop=True), old.reset_index(drop=True))
     conn = sqlite3.connect(path)
+    assert sorted(bytes(r[0][:4]) for r in conn.execute("SELECT data FROM frames_gpu")) == [b"GDB1", b"GDB2"]
     assert conn.execute("SELECT gpu, node FROM findings").fetchall() == [(1, "node-a")]  # backfilled
     assert conn.execute("SELECT count(*) FROM frames_process").fetchone()[0] == 1  # new kinds get tables
     conn.close()
@@ -348,6 +355,33 @@ def test_a_missing_empty_or_foreign_store_read_only_fails_in_one_line(tmp_path, 
         with pytest.raises(GpudiagError):
             Store.open(path)
         assert Path(path).read_bytes() == before
+
+
+@pytest.mark.parametrize("damage", ["truncated", "scribbled", "unknown magic", "truncated zlib"])
+def test_a_damaged_chunk_is_one_error_line_and_the_store_keeps_its_other_chunks(tmp_path, damage):
+    path = str(tmp_path / "node.db")
+    with Store.open(path, chunk_s=10) as store:
+        for tick in range(30):
+            store.append(node_frames(tick))
+            store.flush()
+    conn = sqlite3.connect(path)
+    rowid, data = conn.execute("SELECT rowid, data FROM frames_process WHERE sealed = 1 LIMIT 1").fetchone()
+    if damage == "truncated":
+        data = data[:len(data) // 2]
+    elif damage == "scribbled":
+        data = data[:8] + bytes(b ^ 0x5A for b in data[8:])
+    elif damage == "unknown magic":
+        data = b"GDB9" + data[4:]
+    else:
+        data = as_zlib_block(data)[:-40]
+    conn.execute("UPDATE frames_process SET data = ? WHERE rowid = ?", (data, rowid))
+    conn.commit()
+    conn.close()
+    with Store.open(path, readonly=True) as reader:
+        with pytest.raises(GpudiagError, match="damaged chunk") as err:
+            reader.window(-math.inf, math.inf, kinds=["process"])
+        assert "\n" not in str(err.value)
+        assert len(reader.window(-math.inf, math.inf, kinds=["gpu"]).table("gpu")) == 60  # the rest still reads
 
 
 def test_a_damaged_store_read_only_fails_in_one_line(tmp_path):

@@ -12,16 +12,24 @@ from __future__ import annotations
 
 import math
 import sqlite3
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+import zstandard
 
 from gpudiag.agent.store import Store, _columns_from_frames, _window_table, decode_table, encode_block
 from gpudiag.catalog import M
 from gpudiag.frames import DictColumn, Frame, Table
 
 T0 = 1_767_225_600.0
+
+
+def as_zlib_block(block: bytes) -> bytes:
+    """The same block as schemas 1 and 2 wrote it: magic GDB1, the header length, zlib of the body."""
+    assert block[:4] == b"GDB2"
+    return b"GDB1" + block[4:8] + zlib.compress(zstandard.ZstdDecompressor().decompress(block[8:]), 6)
 
 
 def reference_table(blocks: list[bytes], start_s: float, end_s: float, node: str | None) -> Table | None:
@@ -134,7 +142,8 @@ def varied_blocks(seed: int) -> list[bytes]:
                     rows.append(row)
             frames.append(Frame("process", start + tick + float(rng.uniform(0, 0.01)), rows))
         n, columns = _columns_from_frames(frames)
-        blocks.append(encode_block(columns, n, sealed=bool(rng.random() < 0.7)))
+        block = encode_block(columns, n, sealed=bool(rng.random() < 0.7))
+        blocks.append(as_zlib_block(block) if rng.random() < 0.25 else block)  # a store from before zstd
     return blocks
 
 
@@ -158,6 +167,25 @@ def test_a_window_read_gives_what_decoding_each_block_and_joining_them_gives(see
             assert_same_table(_window_table(blocks, start_s, end_s, node, pool.map), want)
 
 
+@pytest.mark.parametrize("codec", ["zstd", "zlib"])
+def test_a_long_block_is_read_in_two_steps_in_either_codec(codec):
+    # Thousands of rows: the leading columns are inflated apart from the rest, over many compressed pieces.
+    rng = np.random.default_rng(7)
+    frames = [Frame("process", T0 + tick, [
+        {"node": f"node-{j % 3}", "gpu": j % 8, "pid": 1000 + j, "process": f"worker-{j}",
+         M.process_gpu_memory_bytes: int(rng.integers(0, 1 << 40)),
+         M.process_cpu_utilization_ratio: float(rng.random()),
+         M.process_resident_memory_bytes: int(rng.integers(0, 1 << 50))}
+        for j in range(64)]) for tick in range(600)]
+    n, columns = _columns_from_frames(frames)
+    block = encode_block(columns, n)
+    blocks = [as_zlib_block(block) if codec == "zlib" else block]
+    assert len(blocks[0]) > 4 * (1 << 16)
+    windows = [(-math.inf, math.inf, None), (T0 + 100.5, T0 + 400, "node-1"), (T0 + 599, T0 + 599, None)]
+    for start_s, end_s, node in windows:
+        assert_same_table(Store._table_of(blocks, start_s, end_s, node), reference_table(blocks, start_s, end_s, node))
+
+
 def in_time_order_blocks(seed: int) -> list[bytes]:
     """Blocks one after another in time whose entities come and go: labels missing, NaN, renamed, repeated."""
     rng = np.random.default_rng(seed)
@@ -177,7 +205,8 @@ def in_time_order_blocks(seed: int) -> list[bytes]:
             frames.append(Frame("process", t, rows))
             t += 1.0
         n, columns = _columns_from_frames(frames)
-        blocks.append(encode_block(columns, n, sealed=bool(rng.random() < 0.7)))
+        block = encode_block(columns, n, sealed=bool(rng.random() < 0.7))
+        blocks.append(as_zlib_block(block) if rng.random() < 0.25 else block)  # a store from before zstd
     return blocks
 
 
