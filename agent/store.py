@@ -1070,12 +1070,24 @@ class _EntityRuns:
                 return None
         return levels
 
+    @staticmethod
+    def _repeats(levels, last, at: int, k: int, order: np.ndarray) -> bool:
+        """Whether a block's rows hold the labels of the block before, row for row, in the same stored order."""
+        prev_at, prev_k, prev_order = last[0], last[1], last[2]
+        if k != prev_k or not np.array_equal(order, prev_order):
+            return False
+        for kind, a, _ in levels:
+            if not np.array_equal(a[at:at + k], a[prev_at:prev_at + k], equal_nan=kind == "float"):
+                return False
+        return True
+
     def __call__(self, keys: tuple[str, ...]):
         levels = self._levels(keys)
         if levels is None:
             return None
         pieces: dict[tuple, list[np.ndarray]] = {}
         ranks: dict[tuple, tuple] = {}
+        last = None  # (at, k, order, bounds, idents) of the block before
         for i, order in enumerate(self.orders):
             at, k = self.starts[i], self.starts[i + 1] - self.starts[i]
             if not k:
@@ -1083,6 +1095,16 @@ class _EntityRuns:
             unordered = order is None
             if unordered:
                 order = np.arange(k)
+            if last is not None and self._repeats(levels, last, at, k, order):
+                # A steady node: the same entities in the same stored order as the block before,
+                # so the same runs, shifted. Comparing the labels in place costs a fraction of
+                # gathering them into stored order and finding the runs again.
+                bounds, idents = last[3], last[4]
+                positions = order.astype(np.int64) + at
+                for r, ident in enumerate(idents):
+                    pieces[ident].append(positions[bounds[r]:bounds[r + 1]])
+                last = (at, k, order, bounds, idents)
+                continue
             values = [a[at:at + k][order] for _, a, _ in levels]
             change = np.zeros(max(k - 1, 0), dtype=bool)
             for (kind, _, _), v in zip(levels, values):
@@ -1095,6 +1117,7 @@ class _EntityRuns:
                 return None
             firsts = [v[bounds[:-1]].tolist() for v in values]
             positions = order.astype(np.int64) + at  # window rows, run after run
+            idents = []
             for r, raw in enumerate(zip(*firsts)):
                 key = []
                 rank = []
@@ -1114,6 +1137,8 @@ class _EntityRuns:
                     got = pieces[ident] = []
                     ranks[ident] = tuple(key)
                 got.append(positions[bounds[r]:bounds[r + 1]])
+                idents.append(ident)
+            last = (at, k, order, bounds, idents)
         try:
             idents = sorted(pieces)
         except TypeError:

@@ -222,6 +222,43 @@ def test_entity_groups_of_a_window_come_from_the_blocks_stored_order_and_match_a
     assert used, "no window was read with the blocks' entity runs: the test would check only the sort"
 
 
+def test_a_steady_nodes_repeated_blocks_give_the_groups_a_sort_gives_when_one_label_changes(monkeypatch):
+    # Blocks of the same entities in the same stored order repeat the block before's runs; a block in
+    # which one row's label differs (a renamed process, a pid lost to NaN, a GPU label that moves)
+    # must not be taken for a repeat.
+    from gpudiag.agent import store as store_module
+
+    def block(b: int, change: str | None) -> bytes:
+        frames = []
+        for i in range(5):
+            rows = []
+            for j in range(6):
+                row = {"node": "node-a", "gpu": j % 3, "pid": 100 + j, "process": f"worker-{j}",
+                       M.process_gpu_memory_bytes: 1000 * b + 10 * i + j}
+                if j == 4 and change == "renamed":
+                    row["process"] = "worker-x"
+                if j == 4 and change == "pid lost":
+                    row["pid"] = math.nan
+                if j == 2 and change == "gpu moved":
+                    row["gpu"] = 1
+                rows.append(row)
+            frames.append(Frame("process", T0 + 5 * b + i, rows))
+        n, columns = _columns_from_frames(frames)
+        return encode_block(columns, n)
+
+    taken = []
+    repeats = store_module._EntityRuns._repeats
+    monkeypatch.setattr(store_module._EntityRuns, "_repeats",
+                        staticmethod(lambda *a: taken.append(repeats(*a)) or taken[-1]))
+    changes = [None, None, "renamed", None, None, "pid lost", "pid lost", "gpu moved", None]
+    blocks = [block(b, c) for b, c in enumerate(changes)]
+    have = Store._table_of(blocks, -math.inf, math.inf, None)
+    assert have._group_source is not None
+    assert_same_table(have, reference_table(blocks, -math.inf, math.inf, None))
+    assert_same_groups(have)
+    assert True in taken and False in taken
+
+
 def test_blocks_in_time_order_are_joined_without_a_sort_and_others_are_sorted():
     rng = np.random.default_rng(7)
     blocks = []
