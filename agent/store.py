@@ -85,6 +85,7 @@ from gpudiag.frames import (
     FRAME_KINDS,
     DictColumn,
     Frame,
+    LazyColumns,
     Table,
     Window,
     _cut_codes,
@@ -131,14 +132,16 @@ WAL_SIZE_LIMIT_BYTES = 8 * 1024**2
 # after an outage does not stall one flush.
 MAX_SEALS_PER_FLUSH = 4
 
-# A block is a magic naming its codec, the header's length, then the compressed header and
-# payload. Blocks are written with zstd; zlib blocks (schema 2 and before) are still read.
-# Measured on the 24 h store of bench/bench_investigate.py (8 GPUs x 16 processes, 531 MB of
-# shuffled columns): deflate level 6 made 208 MB in 23.6 s and inflated in 2.1 s; zstd level 3
-# makes 81 MB in 1.0 s and decompresses in 0.19 s. Its window and entropy coder find what
-# deflate's 32 kB window and Huffman codes miss: the near-constant byte planes of slowly
-# moving counters. Higher levels save under 2 % more at 3x to 20x the CPU, which the agent's
-# 1 %-of-a-core budget cannot spend; fresh chunks live minutes and take the fastest level.
+# A block is a magic naming its codec and layout, then its header and columns. Blocks are
+# written with zstd, the header and every column a frame of its own, so a reader decompresses
+# only the columns it is asked for; zlib blocks (schema 2 and before: one deflate stream of the
+# header and every column) are still read. Measured on the 24 h store of
+# bench/bench_investigate.py (8 GPUs x 16 processes, 531 MB of shuffled columns): deflate
+# level 6 made 208 MB in 23.6 s and inflated in 2.1 s; zstd level 3 makes 81 MB in 1.0 s and
+# decompresses in 0.19 s. Its window and entropy coder find what deflate's 32 kB window and
+# Huffman codes miss: the near-constant byte planes of slowly moving counters. Higher levels
+# save under 2 % more at 3x to 20x the CPU, which the agent's 1 %-of-a-core budget cannot
+# spend; fresh chunks live minutes and take the fastest level.
 _ZSTD_MAGIC, _ZLIB_MAGIC = b"GDB2", b"GDB1"
 _BLOCK_MAGIC = _ZSTD_MAGIC
 _LEVEL_FRESH, _LEVEL_SEALED = 1, 3
@@ -152,33 +155,6 @@ def _compress(data: bytes, level: int) -> bytes:
     if c is None:
         c = compressors[level] = zstandard.ZstdCompressor(level=level)
     return c.compress(data)
-
-
-class _ZstdBody:
-    """A zstd block's body read front to back: at least ``size`` more bytes at a time, then the rest."""
-
-    def __init__(self, data):
-        self.expected = zstandard.frame_content_size(data)
-        self.reader = zstandard.ZstdDecompressor().stream_reader(data)
-        self.got = 0
-
-    def read(self, size: int) -> bytes:
-        pieces = []
-        while size > 0:
-            piece = self.reader.read(size)
-            if not piece:
-                break
-            pieces.append(piece)
-            size -= len(piece)
-            self.got += len(piece)
-        return b"".join(pieces)
-
-    def rest(self) -> bytes:
-        out = self.reader.read()
-        self.got += len(out)
-        if self.got != self.expected:  # a truncated frame reads short; its size is in its header
-            raise ValueError("truncated frame block")
-        return out
 
 
 class _ZlibBody:
@@ -206,21 +182,36 @@ class _ZlibBody:
         return out
 
 
-def _block_body(block: bytes):
-    """A reader of a block's compressed body, by the block's magic."""
-    magic = block[:4]
-    if magic == _ZSTD_MAGIC:
-        return _ZstdBody(memoryview(block)[8:])
-    if magic == _ZLIB_MAGIC:
-        return _ZlibBody(memoryview(block)[8:])
-    raise ValueError("not a gpudiag frame block")
+def _zstd_frames(block: bytes) -> tuple[dict, list[tuple[int, int]]]:
+    """A zstd block's header and (offset, size) of every frame after it: the entity order (if any), then each column."""
+    if block[:4] != _ZSTD_MAGIC:
+        raise ValueError("not a gpudiag frame block")
+    (head_z,) = struct.unpack("<I", block[4:8])
+    header = json.loads(_decompress(memoryview(block)[8:8 + head_z]))
+    frames = []
+    at = 8 + head_z
+    for meta in ([header["order"]] if "order" in header else []) + header["columns"]:
+        frames.append((at, meta["z"]))
+        at += meta["z"]
+    if at != len(block):
+        raise ValueError("truncated frame block" if at > len(block) else "frame block with trailing bytes")
+    return header, frames
 
 
-def _inflate(block: bytes) -> bytes:
-    """A block's whole body (header and payload), decompressed."""
-    if block[:4] == _ZSTD_MAGIC:
-        return zstandard.ZstdDecompressor().decompress(block[8:])  # raises on a truncated frame
-    return _block_body(block).rest()
+def _decompress(frame) -> bytes:
+    """One zstd frame (its size is in its header; a truncated or damaged one raises ZstdError)."""
+    return zstandard.ZstdDecompressor().decompress(frame)
+
+
+def _inflate(block: bytes) -> tuple[dict, bytes]:
+    """(header, every column's payload back to back in header order), of a block of either codec."""
+    if block[:4] == _ZLIB_MAGIC:
+        (head_len,) = struct.unpack("<I", block[4:8])
+        body = _ZlibBody(memoryview(block)[8:]).rest()
+        return json.loads(body[:head_len]), body[head_len:]
+    header, frames = _zstd_frames(block)
+    view = memoryview(block)
+    return header, b"".join(_decompress(view[at:at + size]) for at, size in frames)
 
 
 _MAX_DECIMALS = 6  # decimal scales tried for floats (NVML gives mW, percent, MHz)
@@ -709,22 +700,23 @@ def encode_block(columns: dict, n: int, *, sealed: bool = True) -> bytes:
     if sealed:
         columns = {k: _flat_dicts(v) for k, v in columns.items()}
     order = _entity_order(columns, n) if sealed else None
+    level = _LEVEL_SEALED if sealed else _LEVEL_FRESH
     header: dict[str, Any] = {"n": n, "columns": []}
-    payload: list[bytes] = []
+    frames: list[bytes] = []
     if order is not None:
         meta, parts = _encode_ints(order)
-        header["order"] = meta | {"sizes": [len(p) for p in parts]}
-        payload += parts
+        frames.append(_compress(b"".join(parts), level))
+        header["order"] = meta | {"sizes": [len(p) for p in parts], "z": len(frames[-1])}
     for name, a in columns.items():
         if order is not None:
             a = a.take(order) if isinstance(a, _DictColumn) else a[order]
         meta, parts = _encode_column(a, sealed=sealed)
+        frames.append(_compress(b"".join(parts), level))
         meta["name"] = name
+        meta["z"] = len(frames[-1])
         header["columns"].append(meta)
-        payload += parts
-    head = json.dumps(header, separators=(",", ":")).encode()
-    body = _compress(head + b"".join(payload), _LEVEL_SEALED if sealed else _LEVEL_FRESH)
-    return _BLOCK_MAGIC + struct.pack("<I", len(head)) + body
+    head = _compress(json.dumps(header, separators=(",", ":")).encode(), level)
+    return _BLOCK_MAGIC + struct.pack("<I", len(head)) + head + b"".join(frames)
 
 
 def decode_block(block: bytes, *, raw: bool = False) -> tuple[int, dict]:
@@ -753,11 +745,9 @@ def _frames_dict_column(a: _DictColumn, n: int) -> DictColumn:
 
 
 def _decode(block: bytes, *, raw: bool, labels: dict | None) -> tuple[int, dict, dict | None]:
-    body = _inflate(block)
-    (head_len,) = struct.unpack("<I", block[4:8])
-    header = json.loads(body[:head_len])
+    header, payload = _inflate(block)
     n = header["n"]
-    cur = _Cursor(body, head_len)
+    cur = _Cursor(payload, 0)
     inverse = None
     if "order" in header:
         order = _decode_ints(header["order"], cur.take(header["order"]["sizes"][0]), n)
@@ -812,30 +802,35 @@ def _part_dtype(meta: dict) -> np.dtype | None:
 
 
 class _WindowBlock:
-    """One block of a window read: its payload, inflated in two steps, and the rows the window keeps.
+    """One block of a window read: its header, the rows the window keeps, and its columns on demand.
 
-    The first step inflates the header and the columns the window's rows are chosen by
-    (they lead the block: the entity order, then ``t``, then the labels), the second the rest
-    just before the block's columns are written, so the read never holds every block's
-    payload at once. ``cut`` holds the kept rows as positions in the appended order (None:
-    every row) and ``src`` the same rows as positions in the stored, entity-grouped order
-    (None: every row, stored as appended).
+    A zstd block holds every column in a frame of its own: choosing the rows decompresses
+    the entity order, ``t`` (and ``node``), and each other column is decompressed when it is
+    written, so a column nobody reads is never decompressed. A zlib block is one stream; it is
+    inflated in two steps, the columns the rows are chosen by (they lead it) first and the rest
+    just before the block's columns are written, so the read never holds every block's payload
+    at once. ``cut`` holds the kept rows as positions in the appended order (None: every row)
+    and ``src`` the same rows as positions in the stored, entity-grouped order (None: every
+    row, stored as appended).
     """
 
-    __slots__ = ("body", "cut", "head", "inverse", "k", "metas", "n", "offsets", "order", "rest", "sizes",
-                 "src", "t")
+    __slots__ = ("block", "body", "cut", "frames", "head", "inverse", "k", "metas", "n", "offsets", "order", "rest",
+                 "sizes", "src", "t")
 
     def __init__(self, block: bytes):
-        self.body = _block_body(block)
-        (head_len,) = struct.unpack("<I", block[4:8])
+        self.block, self.body, self.frames = block, None, None
         self.head, self.rest = b"", b""
-        self._inflate_to(head_len)
-        header = json.loads(self.head[:head_len])
+        if block[:4] == _ZLIB_MAGIC:
+            self.body = _ZlibBody(memoryview(block)[8:])
+            (head_len,) = struct.unpack("<I", block[4:8])
+            self._inflate_to(head_len)
+            header = json.loads(self.head[:head_len])
+        else:
+            header, frames = _zstd_frames(block)
+            head_len = 0
         self.n = n = header["n"]
-        pos = head_len
         order = header.get("order")
-        if order is not None:
-            pos += order["sizes"][0]
+        pos = head_len + (order["sizes"][0] if order is not None else 0)
         self.metas: dict[str, dict] = {}
         self.offsets: dict[str, int] = {}
         self.sizes: dict[str, int] = {}
@@ -844,27 +839,42 @@ class _WindowBlock:
             self.offsets[meta["name"]] = pos
             self.sizes[meta["name"]] = _column_bytes(meta)
             pos += self.sizes[meta["name"]]
+        if self.body is None:
+            columns = frames[1:] if order is not None else frames
+            self.frames = {name: frame for name, frame in zip(self.metas, columns)}
         self.inverse = self.order = None
         if order is not None:
-            self._inflate_to(head_len + order["sizes"][0])
-            order = _decode_ints(order, memoryview(self.head)[head_len:head_len + order["sizes"][0]], n)
+            if self.body is None:
+                at, size = frames[0]
+                data = _decompress(memoryview(block)[at:at + size])
+            else:
+                self._inflate_to(head_len + order["sizes"][0])
+                data = memoryview(self.head)[head_len:head_len + order["sizes"][0]]
+            order = _decode_ints(order, data, n)
             self.inverse = np.empty(n, dtype=np.int64)
             self.inverse[order] = np.arange(n)
             self.order = order
         self.k, self.cut, self.src, self.t = n, None, self.inverse, None
 
     def _inflate_to(self, size: int) -> None:
-        """Inflate at least the first ``size`` bytes of the payload into ``head``."""
+        """Inflate at least the first ``size`` bytes of a zlib block's payload into ``head``."""
         if size > len(self.head):
             self.head += self.body.read(size - len(self.head))
 
     def finish(self) -> None:
-        """Inflate the rest of the payload (a truncated one raises ValueError, as decode_block does)."""
-        self.rest = self.body.rest()
-        self.body = None
+        """Inflate the rest of a zlib block's payload (a truncated one raises ValueError, as decode_block does)."""
+        if self.body is not None:
+            self.rest = self.body.rest()
+            self.body = None
 
     def _bytes_of(self, name: str):
-        """The payload bytes of one column, wherever the two steps put them."""
+        """The payload bytes of one column: its own frame, or wherever the two steps put them."""
+        if self.frames is not None:
+            at, size = self.frames[name]
+            data = _decompress(memoryview(self.block)[at:at + size])
+            if len(data) != self.sizes[name]:
+                raise ValueError(f"column {name} of a frame block holds {len(data)} bytes, not {self.sizes[name]}")
+            return data
         at, size, cut = self.offsets[name], self.sizes[name], len(self.head)
         if at + size <= cut:
             return memoryview(self.head)[at:at + size]
@@ -914,7 +924,8 @@ class _WindowBlock:
     def select(self, start_s: float, end_s: float, node: str | None) -> int:
         """Keep the rows with ``start_s <= t <= end_s`` (of ``node``); the number kept."""
         chosen_by = ["t"] + (["node"] if node is not None and "node" in self.metas else [])
-        self._inflate_to(max(self.offsets[c] + self.sizes[c] for c in chosen_by))
+        if self.body is not None:
+            self._inflate_to(max(self.offsets[c] + self.sizes[c] for c in chosen_by))
         t = self.stored("t")
         if isinstance(t, np.ndarray) and t.dtype != object:
             self.t = t  # decoded once: the second pass writes it from here
@@ -1056,6 +1067,10 @@ class _EntityRuns:
     def _levels(self, keys):
         levels = []
         for name in keys:
+            if name in self.table._codes:  # a label column: its codes, without making its values
+                codes, uniques = self.table.codes(name)
+                levels.append(("codes", codes, uniques))
+                continue
             col = self.table.columns.get(name)
             if not isinstance(col, np.ndarray):
                 return None
@@ -1153,11 +1168,15 @@ class _EntityRuns:
         return [ranks[ident] for ident in idents], parts
 
 
-def _window_table(blocks: list[bytes], start_s: float, end_s: float, node: str | None, mapper=map) -> Table | None:
+def _window_table(blocks: list[bytes], start_s: float, end_s: float, node: str | None, mapper=map,
+                  guard=None) -> Table | None:
     """The blocks' rows in [start_s, end_s] (of ``node``) as one Table sorted by ``t``; None when none.
 
-    ``mapper`` runs a function over a list (``map``, or a thread pool's map: inflating and
-    decoding release the GIL).
+    ``mapper`` runs a function over a list (``map``, or a thread pool's map: decompressing
+    and decoding release the GIL). When every block is a zstd block, only ``t`` and the label
+    codes are decoded here; every other column (and a label column's values) is decoded when
+    first read (:class:`LazyColumns`), through ``guard`` (which turns a damaged chunk into
+    one error line).
     """
     def selected(data: bytes) -> _WindowBlock | None:
         block = _WindowBlock(data)
@@ -1173,6 +1192,8 @@ def _window_table(blocks: list[bytes], start_s: float, end_s: float, node: str |
     starts = np.concatenate([[0], np.cumsum(sizes)]).tolist()
     total = starts[-1]
     outs = {name: _ColumnOut(name, kept, total) for name in dict.fromkeys(n for b in kept for n in b.metas)}
+    lazy = all(b.frames is not None for b in kept)
+    now = {name for name, out in outs.items() if not lazy or name == "t" or out.mode == "labels"}
 
     entity_orders: list[np.ndarray | None] = [None] * len(kept)
 
@@ -1180,22 +1201,47 @@ def _window_table(blocks: list[bytes], start_s: float, end_s: float, node: str |
         block = kept[i]
         block.finish()
         for name in block.metas:
-            outs[name].write(i, block, starts[i])
+            if name in now:
+                outs[name].write(i, block, starts[i])
         entity_orders[i] = block.entity_order()
         block.body = block.head = block.rest = block.t = block.order = None
+        if not lazy:
+            block.block = None
 
     for _ in mapper(fill, range(len(kept))):
         pass
-    columns = {name: out.column(sizes) for name, out in outs.items()}
+    have = {name: out.column(sizes) for name, out in outs.items() if name in now and out.mode != "labels"}
+    pending = {name: _lazy_column(outs[name], kept, starts, sizes, guard) for name in outs if name not in have}
+    columns = LazyColumns(list(outs), have, pending)
     codes = {name: (out.codes, out.uniques) for name, out in outs.items() if out.mode == "labels"}
     later = {name: got for name, out in outs.items() if (got := out.label_codes()) is not None}
     table = Table(total, columns, codes=codes)
     if later:
-        table._code_source = lambda name: later[name]() if name in later else None
+        # A column's part codes are known once its blocks are decoded: make the column first.
+        table._code_source = lambda name: (table.columns[name], later[name]())[1] if name in later else None
     ordered = table.sorted()
     if ordered is table:
         table._group_source = _EntityRuns(table, starts, entity_orders)
     return ordered
+
+
+def _lazy_column(out: _ColumnOut, kept: list[_WindowBlock], starts: list[int], sizes: list[int], guard):
+    """The function that decodes one column of a window read when it is first asked for."""
+    def make():
+        if out.mode != "labels":  # a label column's codes are written already: only its values remain
+            def write(i: int) -> None:
+                if out.name in kept[i].metas:
+                    out.write(i, kept[i], starts[i])
+
+            if len(kept) >= 2 * READ_THREADS > 2:
+                with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="gpudiag-store-read") as pool:
+                    list(pool.map(write, range(len(kept))))
+            else:
+                for i in range(len(kept)):
+                    write(i)
+        return out.column(sizes)
+
+    return make if guard is None else (lambda: guard(make))
 
 
 def _flat_dicts(a):
@@ -1994,7 +2040,7 @@ class Store:
                 if not self.readonly:
                     blocks += [c.block for c in list(self._backlog)
                                if c.kind == kind and c.t_end >= start_s and c.t_start <= end_s]
-                table = self._guard(self._table_of, blocks, start_s, end_s, node)
+                table = self._guard(self._table_of, blocks, start_s, end_s, node, self._guard)
                 if table is not None:
                     tables[kind] = table
                     if "node" in table.columns:
@@ -2005,7 +2051,8 @@ class Store:
                                    sources=[f"store:{self.path}"])
 
     @staticmethod
-    def _table_of(blocks: list[bytes], start_s: float, end_s: float, node: str | None) -> Table | None:
+    def _table_of(blocks: list[bytes], start_s: float, end_s: float, node: str | None,
+                  guard=None) -> Table | None:
         """The blocks' rows in [start_s, end_s] (of ``node``) as one Table sorted by ``t``; None when none.
 
         Columns, not a DataFrame: a day of a node is ten million rows, and the analyzers read
@@ -2015,8 +2062,8 @@ class Store:
         if len(blocks) >= 2 * READ_THREADS > 2:
             # Inflating and decoding release the GIL: a day of a node reads in a fraction of the time.
             with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="gpudiag-store-read") as pool:
-                return _window_table(blocks, start_s, end_s, node, pool.map)
-        return _window_table(blocks, start_s, end_s, node)
+                return _window_table(blocks, start_s, end_s, node, pool.map, guard)
+        return _window_table(blocks, start_s, end_s, node, guard=guard)
 
     def findings(self, start_s: float, end_s: float, *, kinds: Iterable[str] | None = None,
                  gpu: int | None = None) -> list[dict]:

@@ -490,6 +490,59 @@ def _sorted_codes(codes: np.ndarray, uniques: list) -> tuple[np.ndarray, list]:
     return rank[codes], [uniques[i] for i in order]
 
 
+class LazyColumns(MutableMapping):
+    """A Table's columns of which some are made when first read, then kept.
+
+    A window read from the store decodes ``t`` and the labels it is cut and grouped by;
+    every other column is decoded the first time a reader asks for it, so the columns no
+    analyzer reads (a day of a node holds hundreds of megabytes of them) cost nothing.
+    Names iterate in the order given; ``in`` never makes a column.
+    """
+
+    def __init__(self, order: list[str], have: dict[str, Any], pending: dict[str, Any]):
+        self._order = list(order)
+        self._have = have
+        self._pending = pending  # name: function making the column
+
+    def __getitem__(self, name: str):
+        try:
+            return self._have[name]
+        except KeyError:
+            make = self._pending.pop(name)  # KeyError: no such column
+        try:
+            col = self._have[name] = make()
+        except BaseException:
+            self._pending[name] = make  # a failed read (damaged chunk) fails again, and says so again
+            raise
+        return col
+
+    def __contains__(self, name) -> bool:
+        return name in self._have or name in self._pending
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([name for name in self._order if name in self])
+
+    def __len__(self) -> int:
+        return len(self._have) + len(self._pending)
+
+    def __setitem__(self, name: str, col) -> None:
+        self._pending.pop(name, None)
+        if name not in self._have:
+            self._order.append(name)
+        self._have[name] = col
+
+    def __delitem__(self, name: str) -> None:
+        if name not in self:
+            raise KeyError(name)
+        self._pending.pop(name, None)
+        self._have.pop(name, None)
+        self._order.remove(name)
+
+    def made(self, name: str) -> bool:
+        """Whether the column is already made (reading it costs nothing)."""
+        return name in self._have
+
+
 class Table:
     """Rows of one kind as columns: numpy arrays (int64, float64, bool, object) or DictColumns, sorted by ``t``.
 
@@ -668,6 +721,9 @@ class Table:
         """Whether the column exists and holds at least one non-missing value."""
         got = self._has.get(name)
         if got is None:
+            if name in self._codes:  # labels: their codes tell, without making a column of them
+                self._has[name] = got = bool((self._codes[name][0] >= 0).any())
+                return got
             col = self.columns.get(name)
             if col is None:
                 got = False

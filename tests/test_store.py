@@ -384,6 +384,35 @@ def test_a_damaged_chunk_is_one_error_line_and_the_store_keeps_its_other_chunks(
         assert len(reader.window(-math.inf, math.inf, kinds=["gpu"]).table("gpu")) == 60  # the rest still reads
 
 
+def test_a_damaged_column_read_on_demand_is_one_error_line_and_the_other_columns_read(tmp_path):
+    # A chunk's columns are decompressed when first read: damage inside one column's frame
+    # surfaces when that column is read, as the same one line, and every other column reads.
+    from gpudiag.agent.store import _zstd_frames
+
+    path = str(tmp_path / "node.db")
+    with Store.open(path, chunk_s=10) as store:
+        for tick in range(30):
+            store.append(node_frames(tick))
+            store.flush()
+    conn = sqlite3.connect(path)
+    rowid, data = conn.execute("SELECT rowid, data FROM frames_process WHERE sealed = 1 LIMIT 1").fetchone()
+    header, frames = _zstd_frames(data)
+    names = [m["name"] for m in header["columns"]]
+    victim = names.index(M.process_gpu_memory_bytes)
+    at, size = frames[len(frames) - len(names) + victim]
+    data = data[:at + 4] + bytes(b ^ 0xFF for b in data[at + 4:at + size]) + data[at + size:]
+    conn.execute("UPDATE frames_process SET data = ? WHERE rowid = ?", (data, rowid))
+    conn.commit()
+    conn.close()
+    with Store.open(path, readonly=True) as reader:
+        table = reader.window(-math.inf, math.inf, kinds=["process"]).columns("process")
+        assert len(table.columns["t"]) == 180 and len(table.columns[M.process_cpu_utilization_ratio]) == 180
+        for _ in range(2):  # and again: a failed column is not taken for a made one
+            with pytest.raises(GpudiagError, match="damaged chunk") as err:
+                table.columns[M.process_gpu_memory_bytes]
+            assert "\n" not in str(err.value)
+
+
 def test_a_damaged_store_read_only_fails_in_one_line(tmp_path):
     path = str(tmp_path / "node.db")
     with Store.open(path, chunk_s=10) as store:

@@ -10,8 +10,10 @@ column with different types, NaN and None, labels, JSON values and dicts.
 
 from __future__ import annotations
 
+import json
 import math
 import sqlite3
+import struct
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,9 +29,17 @@ T0 = 1_767_225_600.0
 
 
 def as_zlib_block(block: bytes) -> bytes:
-    """The same block as schemas 1 and 2 wrote it: magic GDB1, the header length, zlib of the body."""
+    """The same block as schemas 1 and 2 wrote it: magic GDB1, the header length, zlib of header and columns."""
     assert block[:4] == b"GDB2"
-    return b"GDB1" + block[4:8] + zlib.compress(zstandard.ZstdDecompressor().decompress(block[8:]), 6)
+    (head_z,) = struct.unpack("<I", block[4:8])
+    header = json.loads(zstandard.ZstdDecompressor().decompress(block[8:8 + head_z]))
+    at, payload = 8 + head_z, []
+    for meta in ([header["order"]] if "order" in header else []) + header["columns"]:
+        size = meta.pop("z")
+        payload.append(zstandard.ZstdDecompressor().decompress(block[at:at + size]))
+        at += size
+    head = json.dumps(header, separators=(",", ":")).encode()
+    return b"GDB1" + struct.pack("<I", len(head)) + zlib.compress(head + b"".join(payload), 6)
 
 
 def reference_table(blocks: list[bytes], start_s: float, end_s: float, node: str | None) -> Table | None:
@@ -184,6 +194,26 @@ def test_a_long_block_is_read_in_two_steps_in_either_codec(codec):
     windows = [(-math.inf, math.inf, None), (T0 + 100.5, T0 + 400, "node-1"), (T0 + 599, T0 + 599, None)]
     for start_s, end_s, node in windows:
         assert_same_table(Store._table_of(blocks, start_s, end_s, node), reference_table(blocks, start_s, end_s, node))
+
+
+def test_a_window_read_decodes_a_column_when_it_is_first_read_and_labels_group_without_their_values():
+    blocks = []
+    for b in range(3):
+        frames = [Frame("process", T0 + 10 * b + i, [
+            {"node": "node-a", "gpu": j % 2, "pid": 100 + j, "process": f"worker-{j}",
+             M.process_gpu_memory_bytes: 1000 * b + 10 * i + j} for j in range(4)]) for i in range(10)]
+        n, columns = _columns_from_frames(frames)
+        blocks.append(encode_block(columns, n))
+    table = Store._table_of(blocks, -math.inf, math.inf, None)
+    cols = table.columns
+    assert cols.made("t") and not cols.made(M.process_gpu_memory_bytes) and not cols.made("node")
+    assert M.process_gpu_memory_bytes in cols and not cols.made(M.process_gpu_memory_bytes)  # asking costs nothing
+    table.groups(("node", "gpu", "pid"))
+    assert table.has_values("node")
+    assert not cols.made("node")  # grouped and checked by its codes
+    memory = cols[M.process_gpu_memory_bytes]
+    assert cols.made(M.process_gpu_memory_bytes) and cols[M.process_gpu_memory_bytes] is memory
+    assert_same_table(table, reference_table(blocks, -math.inf, math.inf, None))
 
 
 def in_time_order_blocks(seed: int) -> list[bytes]:
