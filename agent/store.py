@@ -1061,8 +1061,30 @@ class _EntityRuns:
     # many entities interleaved, as finished requests are) sorting the window is cheaper.
     MAX_UNORDERED_RUNS = 4096
 
-    def __init__(self, table: Table, starts: list[int], orders: list[np.ndarray | None]):
+    def __init__(self, table: Table, starts: list[int], orders: list[np.ndarray | None],
+                 kept: list[_WindowBlock] | None = None, outs: dict[str, _ColumnOut] | None = None):
         self.table, self.starts, self.orders = table, starts, orders
+        # The blocks of a lazy read: a numeric label column not made yet is read from each block in
+        # stored order (what the runs are found in) instead of being made in time order first.
+        self.kept, self.outs = kept, outs
+        # keys -> per group, its runs (block, first, end) in the block's kept rows in stored order;
+        # None when a group's rows had to be sorted (its runs are not its rows in order).
+        self.runs: dict[tuple, list[list[tuple[int, int, int]]] | None] = {}
+
+    def _stored(self, name: str, i: int) -> np.ndarray:
+        """Block ``i``'s kept rows of a numeric column in stored order (the order its entity runs are in)."""
+        return _kept_stored(self.kept[i], name).astype(self.outs[name].out.dtype, copy=False)  # as when made
+
+    def _pending_kind(self, name: str) -> str | None:
+        """"int" or "float" for a numeric column of every block that is not made yet; else None."""
+        columns = self.table.columns
+        if self.kept is None or not isinstance(columns, LazyColumns) or columns.made(name) or name not in columns:
+            return None
+        out = self.outs.get(name)
+        if out is None or out.mode != "array" or any(name not in b.metas for b in self.kept):
+            return None
+        kind = out.out.dtype.kind
+        return "int" if kind in "iub" else "float" if kind == "f" else None
 
     def _levels(self, keys):
         levels = []
@@ -1070,6 +1092,10 @@ class _EntityRuns:
             if name in self.table._codes:  # a label column: its codes, without making its values
                 codes, uniques = self.table.codes(name)
                 levels.append(("codes", codes, uniques))
+                continue
+            pending = self._pending_kind(name)
+            if pending is not None:
+                levels.append((pending, name, None))  # read per block, see _stored
                 continue
             col = self.table.columns.get(name)
             if not isinstance(col, np.ndarray):
@@ -1086,13 +1112,17 @@ class _EntityRuns:
         return levels
 
     @staticmethod
-    def _repeats(levels, last, at: int, k: int, order: np.ndarray) -> bool:
+    def _repeats(levels, last, at: int, k: int, order: np.ndarray, stored: dict) -> bool:
         """Whether a block's rows hold the labels of the block before, row for row, in the same stored order."""
-        prev_at, prev_k, prev_order = last[0], last[1], last[2]
+        prev_at, prev_k, prev_order, prev_stored = last[0], last[1], last[2], last[5]
         if k != prev_k or not np.array_equal(order, prev_order):
             return False
         for kind, a, _ in levels:
-            if not np.array_equal(a[at:at + k], a[prev_at:prev_at + k], equal_nan=kind == "float"):
+            if isinstance(a, str):
+                same = np.array_equal(stored[a], prev_stored[a], equal_nan=kind == "float")
+            else:
+                same = np.array_equal(a[at:at + k], a[prev_at:prev_at + k], equal_nan=kind == "float")
+            if not same:
                 return False
         return True
 
@@ -1101,6 +1131,7 @@ class _EntityRuns:
         if levels is None:
             return None
         pieces: dict[tuple, list[np.ndarray]] = {}
+        spans: dict[tuple, list[tuple[int, int, int]]] = {}
         ranks: dict[tuple, tuple] = {}
         last = None  # (at, k, order, bounds, idents) of the block before
         for i, order in enumerate(self.orders):
@@ -1110,7 +1141,8 @@ class _EntityRuns:
             unordered = order is None
             if unordered:
                 order = np.arange(k)
-            if last is not None and self._repeats(levels, last, at, k, order):
+            stored = {a: self._stored(a, i) for _, a, _ in levels if isinstance(a, str)}
+            if last is not None and self._repeats(levels, last, at, k, order, stored):
                 # A steady node: the same entities in the same stored order as the block before,
                 # so the same runs, shifted. Comparing the labels in place costs a fraction of
                 # gathering them into stored order and finding the runs again.
@@ -1118,9 +1150,10 @@ class _EntityRuns:
                 positions = order.astype(np.int64) + at
                 for r, ident in enumerate(idents):
                     pieces[ident].append(positions[bounds[r]:bounds[r + 1]])
-                last = (at, k, order, bounds, idents)
+                    spans[ident].append((i, int(bounds[r]), int(bounds[r + 1])))
+                last = (at, k, order, bounds, idents, stored)
                 continue
-            values = [a[at:at + k][order] for _, a, _ in levels]
+            values = [stored[a] if isinstance(a, str) else a[at:at + k][order] for _, a, _ in levels]
             change = np.zeros(max(k - 1, 0), dtype=bool)
             for (kind, _, _), v in zip(levels, values):
                 differs = v[1:] != v[:-1]
@@ -1150,21 +1183,28 @@ class _EntityRuns:
                 got = pieces.get(ident)
                 if got is None:
                     got = pieces[ident] = []
+                    spans[ident] = []
                     ranks[ident] = tuple(key)
                 got.append(positions[bounds[r]:bounds[r + 1]])
+                spans[ident].append((i, int(bounds[r]), int(bounds[r + 1])))
                 idents.append(ident)
-            last = (at, k, order, bounds, idents)
+            last = (at, k, order, bounds, idents, stored)
         try:
             idents = sorted(pieces)
         except TypeError:
             return None
         parts = []
+        runs: list[list[tuple[int, int, int]]] | None = []
         for ident in idents:
             got = pieces[ident]
             rows = got[0] if len(got) == 1 else np.concatenate(got)
             if len(rows) > 1 and not (rows[1:] > rows[:-1]).all():
                 rows = np.sort(rows)  # runs of two entities with the same labels, or a block's rows out of time order
+                runs = None
             parts.append(rows)
+            if runs is not None:
+                runs.append(spans[ident])
+        self.runs[keys] = runs
         return [ranks[ident] for ident in idents], parts
 
 
@@ -1212,7 +1252,9 @@ def _window_table(blocks: list[bytes], start_s: float, end_s: float, node: str |
         pass
     have = {name: out.column(sizes) for name, out in outs.items() if name in now and out.mode != "labels"}
     pending = {name: _lazy_column(outs[name], kept, starts, sizes, guard) for name in outs if name not in have}
-    columns = LazyColumns(list(outs), have, pending)
+    peek = _Peek(outs, kept, starts, guard)
+    columns = LazyColumns(list(outs), have, pending, any_value=peek.any_value, values_at=peek.values_at,
+                          kinds={name: _made_kind(out) for name, out in outs.items()})
     codes = {name: (out.codes, out.uniques) for name, out in outs.items() if out.mode == "labels"}
     later = {name: got for name, out in outs.items() if (got := out.label_codes()) is not None}
     table = Table(total, columns, codes=codes)
@@ -1221,8 +1263,155 @@ def _window_table(blocks: list[bytes], start_s: float, end_s: float, node: str |
         table._code_source = lambda name: (table.columns[name], later[name]())[1] if name in later else None
     ordered = table.sorted()
     if ordered is table:
-        table._group_source = _EntityRuns(table, starts, entity_orders)
+        table._group_source = runs = _EntityRuns(table, starts, entity_orders, kept if lazy else None, outs)
+        if lazy:
+            table._direct_source = lambda keys: _grouped_maker(outs, kept, runs.runs.get(keys), guard)
     return ordered
+
+
+def _kept_stored(b: _WindowBlock, name: str) -> np.ndarray:
+    """A block's kept rows of a column, in stored order (the order its entity runs are in)."""
+    a = b.stored(name)
+    return a if b.cut is None else a[np.sort(b.src)]
+
+
+def _grouped_maker(outs: dict[str, _ColumnOut], kept: list[_WindowBlock], runs, guard):
+    """A function making a not yet decoded column in the order of one set of entity groups, or None.
+
+    A block stores its rows grouped by entity, so each group's rows of a block are one run of
+    its stored column: the column in group order is those runs copied end to end, group after
+    group, straight from each block's decoded column (no column in time order, no gather of
+    every row). Numeric columns of every block only (the others are made in time order first).
+    """
+    if runs is None:
+        return None
+    at = 0
+    per_block: list[list[tuple[int, int, int]]] = [[] for _ in kept]
+    for spans in runs:  # where each run lands: groups end to end, a group's runs in block order
+        for i, s, e in spans:
+            per_block[i].append((s, e, at))
+            at += e - s
+    total = at
+    # A steady node: every block holds every group once, as runs of one length in group order.
+    # Then the column in group order is a (groups x rows per group) matrix whose block i is
+    # block i's stored column reshaped: one copy per block instead of one per run.
+    groups = len(runs)
+    uniform: list[tuple[int, int, int]] | None = []  # (block, first column of the matrix, run length)
+    col = 0
+    for i, spans in enumerate(per_block):
+        if not spans:
+            continue
+        length = spans[0][1] - spans[0][0]
+        if len(spans) != groups or any(s != g * length or e - s != length for g, (s, e, _) in enumerate(spans)):
+            uniform = None
+            break
+        uniform.append((i, col, length))
+        col += length
+    if uniform is not None and groups * col != total:
+        uniform = None
+
+    def make(name: str) -> np.ndarray | None:
+        out = outs.get(name)
+        if out is None or out.mode != "array" or out.out.dtype == _OBJECT or out.out.dtype.kind not in "iufb" \
+                or any(name not in b.metas for b in kept):
+            return None
+        res = np.empty(total, dtype=out.out.dtype)
+        if uniform is not None:
+            matrix = res.reshape(groups, total // groups if groups else 0)
+            for i, first, length in uniform:
+                matrix[:, first:first + length] = _kept_stored(kept[i], name).reshape(groups, length)
+            return res
+        for b, spans in zip(kept, per_block):
+            if not spans:
+                continue
+            a = _kept_stored(b, name)
+            for s, e, to in spans:
+                res[to:to + e - s] = a[s:e]
+        return res
+
+    return make if guard is None else (lambda name: guard(make, name))
+
+
+def _made_kind(out: _ColumnOut) -> str:
+    """What a window read's column is when made: "dict", "object" or "numeric" (see LazyColumns.kind)."""
+    if out.mode == "parts":
+        return "dict"
+    if out.mode == "labels" or out.out.dtype == _OBJECT:
+        return "object"
+    return "numeric"
+
+
+class _Peek:
+    """Answers about a window's columns not decoded yet, from a few of its blocks.
+
+    ``any_value``: a block header tells for integer and boolean columns and for decimal
+    floats without NaN; other columns are decoded a block at a time until a value is found.
+    ``values_at``: the values at a few rows, decoding only the blocks that hold them (labels
+    from their codes). Either answers None where only the whole column can (dicts, objects).
+    """
+
+    def __init__(self, outs: dict[str, _ColumnOut], kept: list[_WindowBlock], starts: list[int], guard):
+        self.outs, self.kept, self.guard = outs, kept, guard
+        self.starts = np.asarray(starts, dtype=np.int64)
+        self.cache: dict[tuple[str, int], np.ndarray] = {}  # (name, block): its kept rows in appended order
+
+    def _call(self, fn, *args):
+        return fn(*args) if self.guard is None else self.guard(fn, *args)
+
+    def _kept_rows(self, name: str, i: int) -> np.ndarray | None:
+        got = self.cache.get((name, i))
+        if got is None:
+            b = self.kept[i]
+            a = b.stored(name)
+            if not isinstance(a, np.ndarray) or a.dtype == _OBJECT:
+                return None
+            got = a if b.src is None else a[b.src]
+            if len(self.cache) >= 64:  # a few blocks per column: the last ones, which most reads ask for
+                self.cache.pop(next(iter(self.cache)))
+            self.cache[(name, i)] = got
+        return got
+
+    def any_value(self, name: str) -> bool | None:
+        out = self.outs.get(name)
+        if out is None or out.mode != "array" or out.out.dtype == _OBJECT:
+            return None
+        return self._call(self._any_value, name)
+
+    def _any_value(self, name: str) -> bool | None:
+        for i, b in enumerate(self.kept):
+            meta = b.metas.get(name)
+            if meta is None or not b.k or meta["codec"] == "null":
+                continue
+            if meta["codec"] in ("int", "bool") or (meta["codec"] == "dec" and not meta.get("nan")):
+                return True
+            rows = self._kept_rows(name, i)
+            if rows is None:
+                return None
+            if rows.dtype.kind != "f" or not np.isnan(rows).all():
+                return True
+        return False
+
+    def values_at(self, name: str, positions: np.ndarray):
+        out = self.outs.get(name)
+        if out is None:
+            return None
+        positions = np.asarray(positions, dtype=np.int64)
+        if out.mode == "labels":
+            return _label_lookup(out.uniques)[out.codes[positions]]
+        if out.mode != "array" or out.out.dtype == _OBJECT or any(name not in b.metas for b in self.kept):
+            return None
+        return self._call(self._values_at, name, positions, out.out.dtype)
+
+    def _values_at(self, name: str, positions: np.ndarray, dtype) -> np.ndarray | None:
+        res = np.empty(len(positions), dtype=dtype)
+        blocks = np.searchsorted(self.starts, positions, side="right") - 1
+        for i in np.unique(blocks).tolist():
+            rows = self._kept_rows(name, i)
+            if rows is None:
+                return None
+            here = blocks == i
+            res[here] = rows[positions[here] - self.starts[i]]
+        return res
 
 
 def _lazy_column(out: _ColumnOut, kept: list[_WindowBlock], starts: list[int], sizes: list[int], guard):

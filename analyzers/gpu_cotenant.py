@@ -25,7 +25,7 @@ import numpy as np
 
 from gpudiag.catalog import M
 from gpudiag.findings import Evidence, Finding, Severity, alert_name
-from gpudiag.frames import Rows, Window
+from gpudiag.frames import LazyColumns, Rows, Window
 from gpudiag.units import fmt_bytes
 
 from .common import episodes, label_int, per_entity, subset
@@ -138,10 +138,14 @@ class _Process:
     def value_at(self, name: str, i: int):
         """Column ``name`` at row ``i`` of this process (read from the table, not gathered)."""
         rows = self.rows
-        raw = rows.table.columns.get(name) if isinstance(rows, Rows) else None
-        if isinstance(raw, np.ndarray):
+        if isinstance(rows, Rows) and name in rows.table.columns:
             pos = rows.positions
-            return raw[i if pos is None else int(pos[i])]
+            at = np.array([i if pos is None else int(pos[i])], dtype=np.int64)
+            columns = rows.table.columns
+            if isinstance(columns, LazyColumns):
+                return columns.values_at(name, at)[0]
+            if isinstance(columns[name], np.ndarray):
+                return columns[name][at[0]]
         return rows[name].to_numpy()[i]
 
     def name_at(self, at: np.ndarray) -> str | None:

@@ -39,7 +39,7 @@ import itertools
 import operator
 import sys
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -499,10 +499,18 @@ class LazyColumns(MutableMapping):
     Names iterate in the order given; ``in`` never makes a column.
     """
 
-    def __init__(self, order: list[str], have: dict[str, Any], pending: dict[str, Any]):
+    def __init__(self, order: list[str], have: dict[str, Any], pending: dict[str, Any], *,
+                 any_value=None, values_at=None, kinds: Mapping[str, str] | None = None):
         self._order = list(order)
+        # What a pending column will be when made, where known: "dict" (a DictColumn, or objects),
+        # "object" (an object array) or "numeric" (a numeric array).
+        self._kinds = dict(kinds or {})
         self._have = have
         self._pending = pending  # name: function making the column
+        # Answers about a column not made yet, from where it is kept, without making it
+        # (None from either: not known that way, make the column).
+        self._any_value = any_value  # (name) -> bool | None: whether any row holds a value
+        self._values_at = values_at  # (name, positions) -> array | None: the values at some rows
 
     def __getitem__(self, name: str):
         try:
@@ -542,6 +550,28 @@ class LazyColumns(MutableMapping):
         """Whether the column is already made (reading it costs nothing)."""
         return name in self._have
 
+    def kind(self, name: str) -> str | None:
+        """"dict", "object" or "numeric" for a column (made or not) where known without making it; else None."""
+        col = self._have.get(name)
+        if col is not None:
+            return "dict" if isinstance(col, DictColumn) else "object" if col.dtype == object else "numeric"
+        return self._kinds.get(name) if name in self._pending else None
+
+    def any_value(self, name: str) -> bool | None:
+        """Whether a column not made yet holds any value, when its source can tell without making it; else None."""
+        if name in self._have or name not in self._pending or self._any_value is None:
+            return None
+        return self._any_value(name)
+
+    def values_at(self, name: str, positions: np.ndarray):
+        """The column's values at ``positions`` (a few rows: a column not made yet stays so where its source allows)."""
+        if name in self._pending and self._values_at is not None:
+            got = self._values_at(name, positions)
+            if got is not None:
+                return got
+        col = self[name]
+        return col.to_objects(positions) if isinstance(col, DictColumn) else col[positions]
+
 
 class Table:
     """Rows of one kind as columns: numpy arrays (int64, float64, bool, object) or DictColumns, sorted by ``t``.
@@ -562,6 +592,8 @@ class Table:
         # was joined from, the table it was cut from (None: factorize).
         self._code_source = None
         self._group_source = None  # entity groups from a TableBuffer's index (None: sort)
+        # keys -> (column name -> that column in the order of those groups, or None), for columns not made yet
+        self._direct_source = None
         self._groups: dict[tuple, tuple[list, np.ndarray, np.ndarray, np.ndarray]] = {}
         self._has: dict[str, bool] = {}
         self._lookup: dict[str, dict] = {}
@@ -724,6 +756,11 @@ class Table:
             if name in self._codes:  # labels: their codes tell, without making a column of them
                 self._has[name] = got = bool((self._codes[name][0] >= 0).any())
                 return got
+            if isinstance(self.columns, LazyColumns):
+                got = self.columns.any_value(name)
+                if got is not None:
+                    self._has[name] = got
+                    return got
             col = self.columns.get(name)
             if col is None:
                 got = False
@@ -757,6 +794,8 @@ class Table:
         if got is None:
             group_keys, parts = self.groups(keys)
             layout = _GroupLayout(parts)
+            if self._direct_source is not None:
+                layout.direct = self._direct_source(keys)
             got = self._entities[keys] = [(key, Rows(self, part, layout=(layout, g)))
                                           for g, (key, part) in enumerate(zip(group_keys, parts))]
         return got
@@ -784,7 +823,7 @@ class Table:
         self._entities.clear()
         self._lookups.clear()
         self._lookup.clear()
-        self._code_source = self._group_source = None
+        self._code_source = self._group_source = self._direct_source = None
         self._frame = None
 
     def frame(self) -> pd.DataFrame:
@@ -1300,6 +1339,20 @@ class _GroupLayout:
         self.asks: dict[int, int] = {}
         self.copies: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # id(column): (column, its copy)
         self.steps: list[slice | bool] | None = None  # and the rest of the plan, made on the first copy
+        # A column in group order made straight from where it is kept (a store window's chunks,
+        # stored grouped by entity), without the table's own column; None: copy from that.
+        self.direct: Callable[[str], np.ndarray | None] | None = None
+        self.made: dict[str, np.ndarray | None] = {}
+
+    def gathered_directly(self, name: str, g: int) -> np.ndarray | None:
+        """Group ``g``'s rows of the table's column ``name``, made in group order from its source; None: not so."""
+        if self.direct is None:
+            return None
+        got = self.made.get(name, False)
+        if got is False:
+            got = self.direct(name)
+            self.made[name] = got = None if got is None else _readonly(got)
+        return None if got is None else got[self.starts[g]:self.starts[g + 1]]
 
     def gathered(self, col: np.ndarray, g: int) -> np.ndarray | None:
         """Group ``g``'s rows of ``col`` as a read-only slice of the column in group order; None: copy them."""
@@ -1757,6 +1810,11 @@ class Column:
         """The values as a numpy array (dicts rebuilt for a dict column)."""
         if self._values is None and self._make is not None:
             self._values = self._make()
+        if self._values is None and self._rows._layout is not None and self._rows._idx is not None:
+            columns = self._rows._table.columns
+            if isinstance(columns, LazyColumns) and not columns.made(self.name):
+                layout, g = self._rows._layout
+                self._values = layout.gathered_directly(self.name, g)
         if self._values is None:
             col = self._raw()
             idx = self._rows._idx
@@ -1777,7 +1835,10 @@ class Column:
         """(DictColumn, row positions or None) when this column's values are kept per leaf, else None."""
         if self._rows is None:
             return None
-        col = self._rows._table.columns[self.name]
+        columns = self._rows._table.columns
+        if isinstance(columns, LazyColumns) and columns.kind(self.name) in ("object", "numeric"):
+            return None  # and the column is not made to learn that
+        col = columns[self.name]
         return (col, self._rows._idx) if isinstance(col, DictColumn) else None
 
     def codes(self) -> tuple[np.ndarray, list] | None:
@@ -2007,6 +2068,9 @@ class Column:
     def _raw_is_object(self) -> bool:
         if self._rows is None:
             return False
+        columns = self._rows._table.columns
+        if isinstance(columns, LazyColumns) and columns.kind(self.name) in ("object", "numeric"):
+            return columns.kind(self.name) == "object"
         col = self._raw()
         return isinstance(col, np.ndarray) and col.dtype == object
 

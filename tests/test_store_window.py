@@ -216,7 +216,7 @@ def test_a_window_read_decodes_a_column_when_it_is_first_read_and_labels_group_w
     assert_same_table(table, reference_table(blocks, -math.inf, math.inf, None))
 
 
-def in_time_order_blocks(seed: int) -> list[bytes]:
+def in_time_order_blocks(seed: int, *, legacy: bool = True) -> list[bytes]:
     """Blocks one after another in time whose entities come and go: labels missing, NaN, renamed, repeated."""
     rng = np.random.default_rng(seed)
     blocks, t = [], T0
@@ -236,7 +236,7 @@ def in_time_order_blocks(seed: int) -> list[bytes]:
             t += 1.0
         n, columns = _columns_from_frames(frames)
         block = encode_block(columns, n, sealed=bool(rng.random() < 0.7))
-        blocks.append(as_zlib_block(block) if rng.random() < 0.25 else block)  # a store from before zstd
+        blocks.append(as_zlib_block(block) if rng.random() < 0.25 and legacy else block)  # a store from before zstd
     return blocks
 
 
@@ -287,6 +287,79 @@ def test_a_steady_nodes_repeated_blocks_give_the_groups_a_sort_gives_when_one_la
     assert_same_table(have, reference_table(blocks, -math.inf, math.inf, None))
     assert_same_groups(have)
     assert True in taken and False in taken
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_an_entitys_column_is_made_straight_from_the_stored_runs_and_equals_its_rows_of_the_column(seed):
+    blocks = in_time_order_blocks(seed, legacy=False) + [b for b in varied_blocks(seed) if seed % 3 == 0]
+    direct = 0
+    for start_s, end_s, node in windows_of(blocks):
+        have = Store._table_of(blocks, start_s, end_s, node)
+        want = reference_table(blocks, start_s, end_s, node)
+        if have is None:
+            continue
+        for keys in GROUP_KEYS:
+            if not all(k in have.columns for k in keys):
+                continue
+            for name in list(have.columns):
+                if name in keys or name == "t":
+                    continue
+                entities = have.entity_rows(keys)
+                made = getattr(have.columns, "made", lambda _: True)  # a sorted window holds every column
+                before = made(name)
+                for key, rows in entities:
+                    got = rows[name].values
+                    ref = want.columns[name]
+                    ref = ref.take(rows.positions) if isinstance(ref, DictColumn) else ref[rows.positions]
+                    if isinstance(ref, DictColumn):
+                        continue
+                    assert got.dtype == ref.dtype, (keys, name)
+                    assert_same_values(got.tolist(), ref.tolist(), (keys, name, key))
+                if not before and not made(name):
+                    direct += 1
+            have.release()
+    if seed % 3:  # the blocks of in_time_order_blocks alone: some numeric column is made from the runs
+        assert direct, "no column was made from the stored runs: the test would check only the gather"
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_a_columns_values_at_some_rows_and_whether_it_holds_any_are_told_without_making_it(seed):
+    rng = np.random.default_rng(seed)
+    blocks = in_time_order_blocks(seed, legacy=False) + varied_blocks(seed)
+    for start_s, end_s, node in windows_of(blocks):
+        want = reference_table(blocks, start_s, end_s, node)
+        if want is None:
+            continue
+        for name in want.columns:
+            have = Store._table_of(blocks, start_s, end_s, node)  # afresh: nothing made by the column before
+            assert have.has_values(name) == want.has_values(name), name
+            at = np.sort(rng.choice(want.n, size=min(want.n, 5), replace=False))
+            if hasattr(have.columns, "values_at"):
+                got = have.columns.values_at(name, at)
+            else:  # a window that needed a sort by t holds every column made
+                got = have.columns[name]
+                got = got.to_objects(at) if isinstance(got, DictColumn) else got[at]
+            ref = want.columns[name]
+            ref = ref.to_objects(at) if isinstance(ref, DictColumn) else ref[at]
+            assert_same_values(list(got), list(ref), (name, at))
+
+
+def test_a_steady_nodes_column_in_entity_order_is_made_block_by_block_and_equals_its_rows_of_the_column():
+    blocks = []
+    for b in range(5):
+        frames = [Frame("process", T0 + 10 * b + i, [
+            {"node": "node-a", "gpu": j % 3, "pid": 100 + j, "process": f"worker-{j}",
+             M.process_gpu_memory_bytes: 1000 * b + 10 * i + j, M.process_cpu_utilization_ratio: (i + j) / 100}
+            for j in range(6)]) for i in range(10)]
+        n, columns = _columns_from_frames(frames)
+        blocks.append(encode_block(columns, n))
+    for start_s, end_s in [(-math.inf, math.inf), (T0 + 3, T0 + 44)]:  # whole blocks, and blocks cut at both ends
+        have = Store._table_of(blocks, start_s, end_s, None)
+        want = reference_table(blocks, start_s, end_s, None)
+        for name in (M.process_gpu_memory_bytes, M.process_cpu_utilization_ratio):
+            for key, rows in have.entity_rows(("node", "gpu", "pid")):
+                assert_same_values(rows[name].values.tolist(), want.columns[name][rows.positions].tolist(), key)
+            assert not have.columns.made(name)
 
 
 def test_blocks_in_time_order_are_joined_without_a_sort_and_others_are_sorted():
