@@ -93,6 +93,8 @@ def _failures(p, eng, key, t, engine_series: dict):
     series = _engine_failures(eng, key, engine_series)
     if series is not None:
         et, fb, fc = series
+        if len(et) == len(t) and np.array_equal(et, t):  # sampled on the same ticks (one source, or a store's day)
+            return fb.copy(), np.maximum(fc, 0)
         idx = np.searchsorted(et, t)
         ok = (idx < len(et)) & (et[np.minimum(idx, len(et) - 1)] == t)
         failed[ok] = fb[idx[ok]]

@@ -105,6 +105,22 @@ def test_a_healthy_window_exits_0(cli, storm_store):
     assert [m["implicated"] for m in doc["memory"]] == [False]
 
 
+def test_a_reader_that_stops_early_gets_no_traceback_and_the_exit_code_still_says_what_was_found(storm_store):
+    # The command exits without freeing its window; the output is flushed first, and a closed
+    # pipe (`| head`) is not an error.
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "gpudiag", *_window(storm_store, 0, 7200), "--json"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout.read(1) == b"{"
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=600) in (0, 1) and "Traceback" not in err, err
+    whole = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert whole.returncode == 1 and json.loads(whole.stdout)["worst_severity"] == "critical", whole.stderr
+
+
 def test_since_counts_back_from_the_stores_latest_sample(cli, storm_store):
     p = cli("investigate", "--store", storm_store, "--since", "30m", "--json")
     assert p.returncode in (0, 1), p.stderr

@@ -76,6 +76,9 @@ def investigate(
             I.write_html(html, window, findings)
     finally:
         bar.close()
+    from gpudiag.cli import skip_teardown
+
+    skip_teardown()  # the window is not needed any more, and a day's takes long to free
     if as_json:
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
     else:
