@@ -194,14 +194,16 @@ def test_one_gpu_of_a_node_shows_only_its_processes_with_their_last_observed_col
 
 
 def test_a_json_investigation_loads_neither_pandas_nor_the_repro_runner(storm_store):
-    """An on-call `investigate --json` reads columns: pandas (charts only) and the repro runner cost it 0.4 s."""
+    """An on-call `investigate --json` reads columns: pandas (charts only) and the repro runner cost it 0.4 s,
+    and the other commands' modules another 0.3 s."""
     import subprocess
     import sys
 
     code = ("import sys, json\n"
             "from gpudiag.cli import main\n"
             "try:\n    rc = main(sys.argv[1:])\nexcept SystemExit as exc:\n    rc = exc.code\n"
-            "loaded = [m for m in ('pandas', 'gpudiag.repro') if m in sys.modules]\n"
+            "loaded = [m for m in ('pandas', 'gpudiag.repro', 'gpudiag.commands.agent', 'gpudiag.commands.top')\n"
+            "          if m in sys.modules]\n"
             "print('LOADED', json.dumps([rc, loaded]), file=sys.stderr)\n")
     p = subprocess.run([sys.executable, "-c", code, *_window(storm_store, 0, 7200), "--json"],
                        capture_output=True, text=True, timeout=600)

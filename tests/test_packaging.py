@@ -49,3 +49,20 @@ def test_a_normal_install_puts_everything_under_gpudiag_and_nothing_at_top_level
          "print(s.__file__)", str(target)],
         capture_output=True, text=True, check=True)
     assert probe.stdout.strip().startswith(str(target))
+
+
+def test_the_command_line_lists_every_command_and_runs_one_with_only_its_own_module_loaded(cli):
+    import pkgutil
+
+    from gpudiag import commands
+
+    names = sorted(m.name for m in pkgutil.iter_modules(commands.__path__))
+    listed = cli("--help")
+    assert listed.returncode == 0, listed.stderr
+    for name in names:
+        assert f"  {name} " in listed.stdout, name
+    for name in ("investigate", "repro"):
+        p = cli(name, "--help")
+        assert p.returncode == 0 and f"Usage: gpudiag {name}" in p.stdout, p.stderr
+    wrong = cli("investigat")
+    assert wrong.returncode == 2 and "No such command" in wrong.stderr
