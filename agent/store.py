@@ -981,8 +981,10 @@ class _ColumnOut:
             self.mode = "labels"
             self.uniques = sorted(set().union(*(m["values"] for m in metas)))
             index = {u: i for i, u in enumerate(self.uniques)}
-            self.maps = [np.array([index[v] for v in m["values"]] + [-1], dtype=np.int64) for m in metas]
-            self.codes = np.empty(total, dtype=np.int64)
+            # 32-bit codes: a label column of a day of a node is 11 M codes, and every byte of them is a
+            # fresh page the read waits for.
+            self.maps = [np.array([index[v] for v in m["values"]] + [-1], dtype=np.int32) for m in metas]
+            self.codes = np.empty(total, dtype=np.int32)
             return
         self.mode = "array"
         dtype = _live_dtype(dtypes)  # Table.concat's promotion: float64 for mixed numbers, else object
