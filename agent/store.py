@@ -159,7 +159,7 @@ def _compress(data: bytes, level: int) -> bytes:
 
 
 class _ZlibBody:
-    """A zlib block's body (schema 2 and before), read as :class:`_ZstdBody` reads."""
+    """A zlib block's body (schema 2 and before): ``size`` more bytes at a time from the front, then the rest."""
 
     STEP = 1 << 16  # compressed bytes inflated at a time while the front is read
 
@@ -225,8 +225,9 @@ def _table(kind: str) -> str:
 
 # --- the columnar block codec ----------------------------------------------------------
 #
-# A block is MAGIC | u32 header length | zstd(header JSON + column payloads) (zlib under
-# the older magic, still read).
+# A block is MAGIC | u32 length of the header frame | zstd(header JSON) | zstd(entity order) |
+# zstd(column) for each column, every frame's size in the header ("z"); under the older magic,
+# MAGIC | u32 header length | zlib(header JSON + entity order + column payloads), still read.
 # Rows are stored grouped by entity (stable, so time order holds inside an entity)
 # with the permutation that restores the appended order. Column codecs:
 #   int    int64: first differences divided by their greatest common divisor
@@ -974,6 +975,7 @@ class _ColumnOut:
         present = [d for m, d in zip(metas, dtypes) if m is not None]
         missing = len(present) < len(metas)
         self.part_codes: list | None = None
+        self.numeric = False
         if any(m is not None and m["codec"] == "dict" for m in metas):
             self.mode = "parts"
             self.parts: list = [None] * len(blocks)
@@ -990,6 +992,8 @@ class _ColumnOut:
         self.mode = "array"
         dtype = _live_dtype(dtypes)  # Table.concat's promotion: float64 for mixed numbers, else object
         self.out = np.empty(total, dtype=dtype)
+        # Numbers in every block: such a column can be read a block at a time (entity runs, a few rows).
+        self.numeric = not missing and dtype.kind in "iufb"
         if missing:
             at = 0
             for b, m in zip(blocks, metas):
@@ -998,6 +1002,13 @@ class _ColumnOut:
                 at += b.k
         if dtype == _OBJECT and not missing and all(d == _OBJECT for d in present):
             self.part_codes = [None] * len(blocks)  # each block's label codes, merged when asked
+
+    @property
+    def kind(self) -> str:
+        """What the column is when made: "dict", "object" or "numeric" (see LazyColumns.kind)."""
+        if self.mode == "parts":
+            return "dict"
+        return "numeric" if self.mode == "array" and self.out.dtype != _OBJECT else "object"
 
     def write(self, i: int, block: _WindowBlock, at: int) -> None:
         """Write block ``i``'s kept rows at ``at``."""
@@ -1084,10 +1095,9 @@ class _EntityRuns:
         if self.kept is None or not isinstance(columns, LazyColumns) or columns.made(name) or name not in columns:
             return None
         out = self.outs.get(name)
-        if out is None or out.mode != "array" or any(name not in b.metas for b in self.kept):
+        if out is None or not out.numeric:
             return None
-        kind = out.out.dtype.kind
-        return "int" if kind in "iub" else "float" if kind == "f" else None
+        return "float" if out.out.dtype.kind == "f" else "int"
 
     def _levels(self, keys):
         levels = []
@@ -1211,8 +1221,25 @@ class _EntityRuns:
         return [ranks[ident] for ident in idents], parts
 
 
+def _unguarded(fn, *args):
+    return fn(*args)
+
+
+@contextmanager
+def _block_mapper(n: int):
+    """``map`` over ``n`` blocks: on up to READ_THREADS threads when there are enough of them.
+
+    Decompressing and decoding release the GIL: a day of a node reads in a fraction of the time.
+    """
+    if n >= 2 * READ_THREADS > 2:
+        with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="gpudiag-store-read") as pool:
+            yield pool.map
+    else:
+        yield map
+
+
 def _window_table(blocks: list[bytes], start_s: float, end_s: float, node: str | None, mapper=map,
-                  guard=None) -> Table | None:
+                  guard=_unguarded) -> Table | None:
     """The blocks' rows in [start_s, end_s] (of ``node``) as one Table sorted by ``t``; None when none.
 
     ``mapper`` runs a function over a list (``map``, or a thread pool's map: decompressing
@@ -1257,7 +1284,7 @@ def _window_table(blocks: list[bytes], start_s: float, end_s: float, node: str |
     pending = {name: _lazy_column(outs[name], kept, starts, sizes, guard) for name in outs if name not in have}
     peek = _Peek(outs, kept, starts, guard)
     columns = LazyColumns(list(outs), have, pending, any_value=peek.any_value, values_at=peek.values_at,
-                          kinds={name: _made_kind(out) for name, out in outs.items()})
+                          kinds={name: out.kind for name, out in outs.items()})
     codes = {name: (out.codes, out.uniques) for name, out in outs.items() if out.mode == "labels"}
     later = {name: got for name, out in outs.items() if (got := out.label_codes()) is not None}
     table = Table(total, columns, codes=codes)
@@ -1315,8 +1342,7 @@ def _grouped_maker(outs: dict[str, _ColumnOut], kept: list[_WindowBlock], runs, 
 
     def make(name: str) -> np.ndarray | None:
         out = outs.get(name)
-        if out is None or out.mode != "array" or out.out.dtype == _OBJECT or out.out.dtype.kind not in "iufb" \
-                or any(name not in b.metas for b in kept):
+        if out is None or not out.numeric:
             return None
         res = np.empty(total, dtype=out.out.dtype)
         if uniform is not None:
@@ -1332,16 +1358,7 @@ def _grouped_maker(outs: dict[str, _ColumnOut], kept: list[_WindowBlock], runs, 
                 res[to:to + e - s] = a[s:e]
         return res
 
-    return make if guard is None else (lambda name: guard(make, name))
-
-
-def _made_kind(out: _ColumnOut) -> str:
-    """What a window read's column is when made: "dict", "object" or "numeric" (see LazyColumns.kind)."""
-    if out.mode == "parts":
-        return "dict"
-    if out.mode == "labels" or out.out.dtype == _OBJECT:
-        return "object"
-    return "numeric"
+    return lambda name: guard(make, name)
 
 
 class _Peek:
@@ -1357,9 +1374,6 @@ class _Peek:
         self.outs, self.kept, self.guard = outs, kept, guard
         self.starts = np.asarray(starts, dtype=np.int64)
         self.cache: dict[tuple[str, int], np.ndarray] = {}  # (name, block): its kept rows in appended order
-
-    def _call(self, fn, *args):
-        return fn(*args) if self.guard is None else self.guard(fn, *args)
 
     def _kept_rows(self, name: str, i: int) -> np.ndarray | None:
         got = self.cache.get((name, i))
@@ -1378,7 +1392,7 @@ class _Peek:
         out = self.outs.get(name)
         if out is None or out.mode != "array" or out.out.dtype == _OBJECT:
             return None
-        return self._call(self._any_value, name)
+        return self.guard(self._any_value, name)
 
     def _any_value(self, name: str) -> bool | None:
         for i, b in enumerate(self.kept):
@@ -1401,9 +1415,9 @@ class _Peek:
         positions = np.asarray(positions, dtype=np.int64)
         if out.mode == "labels":
             return _label_lookup(out.uniques)[out.codes[positions]]
-        if out.mode != "array" or out.out.dtype == _OBJECT or any(name not in b.metas for b in self.kept):
+        if not out.numeric:
             return None
-        return self._call(self._values_at, name, positions, out.out.dtype)
+        return self.guard(self._values_at, name, positions, out.out.dtype)
 
     def _values_at(self, name: str, positions: np.ndarray, dtype) -> np.ndarray | None:
         res = np.empty(len(positions), dtype=dtype)
@@ -1425,15 +1439,12 @@ def _lazy_column(out: _ColumnOut, kept: list[_WindowBlock], starts: list[int], s
                 if out.name in kept[i].metas:
                     out.write(i, kept[i], starts[i])
 
-            if len(kept) >= 2 * READ_THREADS > 2:
-                with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="gpudiag-store-read") as pool:
-                    list(pool.map(write, range(len(kept))))
-            else:
-                for i in range(len(kept)):
-                    write(i)
+            with _block_mapper(len(kept)) as mapper:
+                for _ in mapper(write, range(len(kept))):
+                    pass
         return out.column(sizes)
 
-    return make if guard is None else (lambda: guard(make))
+    return lambda: guard(make)
 
 
 def _flat_dicts(a):
@@ -2244,18 +2255,15 @@ class Store:
 
     @staticmethod
     def _table_of(blocks: list[bytes], start_s: float, end_s: float, node: str | None,
-                  guard=None) -> Table | None:
+                  guard=_unguarded) -> Table | None:
         """The blocks' rows in [start_s, end_s] (of ``node``) as one Table sorted by ``t``; None when none.
 
         Columns, not a DataFrame: a day of a node is ten million rows, and the analyzers read
         arrays; the label codes each block was written with are kept, so nothing is factorized
         again (a DataFrame is still built when a caller asks ``window.tables`` for one).
         """
-        if len(blocks) >= 2 * READ_THREADS > 2:
-            # Inflating and decoding release the GIL: a day of a node reads in a fraction of the time.
-            with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="gpudiag-store-read") as pool:
-                return _window_table(blocks, start_s, end_s, node, pool.map, guard)
-        return _window_table(blocks, start_s, end_s, node, guard=guard)
+        with _block_mapper(len(blocks)) as mapper:
+            return _window_table(blocks, start_s, end_s, node, mapper, guard)
 
     def findings(self, start_s: float, end_s: float, *, kinds: Iterable[str] | None = None,
                  gpu: int | None = None) -> list[dict]:

@@ -25,7 +25,7 @@ import numpy as np
 
 from gpudiag.catalog import M
 from gpudiag.findings import Evidence, Finding, Severity, alert_name
-from gpudiag.frames import LazyColumns, Rows, Window
+from gpudiag.frames import Rows, Window
 from gpudiag.units import fmt_bytes
 
 from .common import episodes, label_int, per_entity, subset
@@ -140,12 +140,7 @@ class _Process:
         rows = self.rows
         if isinstance(rows, Rows) and name in rows.table.columns:
             pos = rows.positions
-            at = np.array([i if pos is None else int(pos[i])], dtype=np.int64)
-            columns = rows.table.columns
-            if isinstance(columns, LazyColumns):
-                return columns.values_at(name, at)[0]
-            if isinstance(columns[name], np.ndarray):
-                return columns[name][at[0]]
+            return rows.table.values_at(name, np.array([i if pos is None else int(pos[i])], dtype=np.int64))[0]
         return rows[name].to_numpy()[i]
 
     def name_at(self, at: np.ndarray) -> str | None:

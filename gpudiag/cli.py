@@ -134,10 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         if _skip_teardown:
             import logging
 
-            try:
-                sys.stdout.flush()
-            except BrokenPipeError:
-                pass
+            sys.stdout.flush()  # a closed pipe already failed the command's own write, and emptied the buffer
             sys.stderr.flush()
             logging.shutdown()
             os._exit(code)

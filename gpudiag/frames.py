@@ -749,6 +749,13 @@ class Table:
         except TypeError:
             return None
 
+    def values_at(self, name: str, positions: np.ndarray) -> np.ndarray:
+        """Column ``name`` at table rows ``positions`` (dicts rebuilt); a column not made yet stays so where it can."""
+        if isinstance(self.columns, LazyColumns):
+            return self.columns.values_at(name, positions)
+        col = self.columns[name]
+        return col.to_objects(positions) if isinstance(col, DictColumn) else col[positions]
+
     def has_values(self, name: str) -> bool:
         """Whether the column exists and holds at least one non-missing value."""
         got = self._has.get(name)

@@ -23,7 +23,7 @@ import numpy as np
 from gpudiag.catalog import M
 from gpudiag.errors import GpudiagError
 from gpudiag.findings import Finding, Severity, deep_clean, worst_severity
-from gpudiag.frames import LazyColumns, Window
+from gpudiag.frames import Window
 
 if TYPE_CHECKING:  # pandas is imported by the chart functions only: a --json investigation never needs it
     import pandas as pd
@@ -271,24 +271,11 @@ def memory(window: Window, findings: list[Finding]) -> list[dict[str, Any]]:
 
 
 def _last_observed(rows, column: str):
-    """The last non-missing value of ``column`` in ``rows`` (by time), or None."""
-    columns = rows.table.columns
-    lazy = isinstance(columns, LazyColumns) and not columns.made(column)  # read only the rows asked for
-    col = None if lazy else columns[column]
-    if not lazy and not isinstance(col, np.ndarray):  # a dict column: rare here, read it whole
-        values = rows[column].to_numpy()
-        ok = [i for i, v in enumerate(values.tolist()) if v is not None and v == v]
-        return values[ok[-1]] if ok else None
+    """The last non-missing value of ``column`` in ``rows`` (by time), or None; reads only the last rows it needs."""
     idx, n, k = rows.positions, len(rows), 16
     while True:
         lo = max(n - k, 0)
-        if lazy:
-            at = np.arange(lo, n) if idx is None else idx[lo:n]
-            vals = columns.values_at(column, at)
-            if not isinstance(vals, np.ndarray):  # a dict column
-                vals = np.asarray(vals, dtype=object)
-        else:
-            vals = col[lo:n] if idx is None else col[idx[lo:n]]
+        vals = rows.table.values_at(column, np.arange(lo, n) if idx is None else idx[lo:n])
         if vals.dtype.kind == "f":
             ok = np.flatnonzero(~np.isnan(vals))
         elif vals.dtype == object:

@@ -113,8 +113,7 @@ def test_a_reader_that_stops_early_gets_no_traceback_and_the_exit_code_still_say
 
     cmd = [sys.executable, "-m", "gpudiag", *_window(storm_store, 0, 7200), "--json"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert p.stdout.read(1) == b"{"
-    p.stdout.close()
+    p.stdout.close()  # before a byte is written: the document's final flush meets a closed pipe
     err = p.stderr.read().decode()
     assert p.wait(timeout=600) in (0, 1) and "Traceback" not in err, err
     whole = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

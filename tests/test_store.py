@@ -357,8 +357,8 @@ def test_a_missing_empty_or_foreign_store_read_only_fails_in_one_line(tmp_path, 
         assert Path(path).read_bytes() == before
 
 
-@pytest.mark.parametrize("damage", ["truncated", "scribbled", "unknown magic", "truncated zlib"])
-def test_a_damaged_chunk_is_one_error_line_and_the_store_keeps_its_other_chunks(tmp_path, damage):
+def _store_with_a_damaged_chunk(tmp_path, damage) -> str:
+    """A small node's store (30 s in 10 s chunks) whose first sealed process chunk is ``damage(data)``."""
     path = str(tmp_path / "node.db")
     with Store.open(path, chunk_s=10) as store:
         for tick in range(30):
@@ -366,17 +366,20 @@ def test_a_damaged_chunk_is_one_error_line_and_the_store_keeps_its_other_chunks(
             store.flush()
     conn = sqlite3.connect(path)
     rowid, data = conn.execute("SELECT rowid, data FROM frames_process WHERE sealed = 1 LIMIT 1").fetchone()
-    if damage == "truncated":
-        data = data[:len(data) // 2]
-    elif damage == "scribbled":
-        data = data[:8] + bytes(b ^ 0x5A for b in data[8:])
-    elif damage == "unknown magic":
-        data = b"GDB9" + data[4:]
-    else:
-        data = as_zlib_block(data)[:-40]
-    conn.execute("UPDATE frames_process SET data = ? WHERE rowid = ?", (data, rowid))
+    conn.execute("UPDATE frames_process SET data = ? WHERE rowid = ?", (damage(data), rowid))
     conn.commit()
     conn.close()
+    return path
+
+
+@pytest.mark.parametrize("damage", ["truncated", "scribbled", "unknown magic", "truncated zlib"])
+def test_a_damaged_chunk_is_one_error_line_and_the_store_keeps_its_other_chunks(tmp_path, damage):
+    path = _store_with_a_damaged_chunk(tmp_path, {
+        "truncated": lambda data: data[:len(data) // 2],
+        "scribbled": lambda data: data[:8] + bytes(b ^ 0x5A for b in data[8:]),
+        "unknown magic": lambda data: b"GDB9" + data[4:],
+        "truncated zlib": lambda data: as_zlib_block(data)[:-40],
+    }[damage])
     with Store.open(path, readonly=True) as reader:
         with pytest.raises(GpudiagError, match="damaged chunk") as err:
             reader.window(-math.inf, math.inf, kinds=["process"])
@@ -389,21 +392,13 @@ def test_a_damaged_column_read_on_demand_is_one_error_line_and_the_other_columns
     # surfaces when that column is read, as the same one line, and every other column reads.
     from gpudiag.agent.store import _zstd_frames
 
-    path = str(tmp_path / "node.db")
-    with Store.open(path, chunk_s=10) as store:
-        for tick in range(30):
-            store.append(node_frames(tick))
-            store.flush()
-    conn = sqlite3.connect(path)
-    rowid, data = conn.execute("SELECT rowid, data FROM frames_process WHERE sealed = 1 LIMIT 1").fetchone()
-    header, frames = _zstd_frames(data)
-    names = [m["name"] for m in header["columns"]]
-    victim = names.index(M.process_gpu_memory_bytes)
-    at, size = frames[len(frames) - len(names) + victim]
-    data = data[:at + 4] + bytes(b ^ 0xFF for b in data[at + 4:at + size]) + data[at + size:]
-    conn.execute("UPDATE frames_process SET data = ? WHERE rowid = ?", (data, rowid))
-    conn.commit()
-    conn.close()
+    def scribble_one_column(data: bytes) -> bytes:
+        header, frames = _zstd_frames(data)
+        names = [m["name"] for m in header["columns"]]
+        at, size = frames[len(frames) - len(names) + names.index(M.process_gpu_memory_bytes)]
+        return data[:at + 4] + bytes(b ^ 0xFF for b in data[at + 4:at + size]) + data[at + size:]
+
+    path = _store_with_a_damaged_chunk(tmp_path, scribble_one_column)
     with Store.open(path, readonly=True) as reader:
         table = reader.window(-math.inf, math.inf, kinds=["process"]).columns("process")
         assert len(table.columns["t"]) == 180 and len(table.columns[M.process_cpu_utilization_ratio]) == 180
