@@ -46,15 +46,19 @@ def analyze(window: Window) -> list[Finding]:
     engine_series: dict = {}  # per (node, gpu): the engine's failure series, shared by its processes
     findings: list[Finding] = []
     for key, p in per_entity(proc, ["node", "gpu", "pid"]):
-        if M.process_torch_largest_free_block_bytes not in p or p[M.process_torch_reserved_bytes].isna().all():
+        if M.process_torch_largest_free_block_bytes not in p:
             continue
         t = p["t"].to_numpy(float)
+        failed_bytes, failures = _failures(p, eng, key, t, engine_series)
+        if not (failures > 0).any():
+            continue  # nothing failed: no finding, and no need to read the memory columns
         reserved = p[M.process_torch_reserved_bytes].to_numpy(float)
+        if np.isnan(reserved).all():
+            continue
         allocated = p[M.process_torch_allocated_bytes].to_numpy(float)
         largest = p[M.process_torch_largest_free_block_bytes].to_numpy(float)
         free = np.maximum(reserved - allocated, 0.0)
         frag = np.where(free > 0, 1.0 - largest / np.maximum(free, 1.0), 0.0)
-        failed_bytes, failures = _failures(p, eng, key, t, engine_series)
         with_free = (failures > 0) & (failed_bytes > largest) & (free >= failed_bytes)
         mask = with_free & (frag >= FRAGMENTATION_RATIO_THRESHOLD)
         for start, end in episodes(t, mask, MERGE_GAP_S):
