@@ -102,7 +102,13 @@ def held_counter(rows, column: str) -> np.ndarray:
     and an absent column reads as zeros."""
     if column not in rows:
         return np.zeros(len(rows))
-    return rows[column].astype(float).ffill().fillna(0.0).to_numpy(float)
+    v = rows[column].to_numpy(float)  # None reads as NaN
+    missing = np.isnan(v)
+    if missing.any():
+        # Forward fill: each sample takes the value of the latest sample at or before it that has one.
+        last = np.maximum.accumulate(np.where(missing, -1, np.arange(len(v))))
+        v = np.where(last >= 0, v[np.maximum(last, 0)], 0.0)
+    return v
 
 
 def rolling_std(t: np.ndarray, x: np.ndarray, window_s: float) -> np.ndarray:

@@ -174,8 +174,10 @@ def _gpu_of_pid(proc) -> dict:
         return {}
     out = {}
     rows = proc[["pid", "gpu"] + (["node"] if "node" in proc else [])].dropna(subset=["pid", "gpu"])
-    for r in rows.drop_duplicates().itertuples(index=False):
-        node = getattr(r, "node", None)
-        out.setdefault((node, int(r.pid)), int(r.gpu))
-        out.setdefault((None, int(r.pid)), int(r.gpu))
+    rows = rows.drop_duplicates()
+    pids, gpus = rows["pid"].tolist(), rows["gpu"].tolist()
+    nodes = rows["node"].tolist() if "node" in rows else [None] * len(pids)
+    for node, pid, gpu in zip(nodes, pids, gpus):
+        out.setdefault((node, int(pid)), int(gpu))
+        out.setdefault((None, int(pid)), int(gpu))
     return out
