@@ -147,6 +147,7 @@ _ZSTD_MAGIC, _ZLIB_MAGIC = b"GDB2", b"GDB1"
 _BLOCK_MAGIC = _ZSTD_MAGIC
 _LEVEL_FRESH, _LEVEL_SEALED = 1, 3
 _ZSTD_COMPRESSORS = threading.local()  # one compression context per thread per level: they are not thread-safe
+_ZSTD_DECOMPRESSORS = threading.local()  # and one decompression context per thread
 _DAMAGED_BLOCK_ERRORS = (zlib.error, zstandard.ZstdError)
 
 
@@ -201,7 +202,14 @@ def _zstd_frames(block: bytes) -> tuple[dict, list[tuple[int, int]]]:
 
 def _decompress(frame) -> bytes:
     """One zstd frame (its size is in its header; a truncated or damaged one raises ZstdError)."""
-    return zstandard.ZstdDecompressor().decompress(frame)
+    d = getattr(_ZSTD_DECOMPRESSORS, "d", None)
+    if d is None:  # making a context costs ten times what decompressing a column frame does
+        d = _ZSTD_DECOMPRESSORS.d = zstandard.ZstdDecompressor()
+    try:
+        return d.decompress(frame)
+    except zstandard.ZstdError:
+        _ZSTD_DECOMPRESSORS.d = None  # a damaged frame: the next one gets a fresh context
+        raise
 
 
 def _inflate(block: bytes) -> tuple[dict, bytes]:
