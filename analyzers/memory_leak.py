@@ -92,6 +92,8 @@ def analyze(window: Window) -> list[Finding]:
         t = p["t"].to_numpy(float)
         white, grey, black = (_col(p, c) for c in (M.process_torch_allocated_bytes,
                                                      M.process_torch_reserved_bytes, M.process_gpu_memory_bytes))
+        if all(v is None or _constant(v) for v in (white, grey, black)):
+            continue  # memory that never moved has no trend, with or without the load taken out
         gpu_key = (key.get("node"), key.get("gpu"))
         held = loads.get(gpu_key)
         if held is None:
@@ -145,6 +147,11 @@ def analyze(window: Window) -> list[Finding]:
 
 _LAYER_WORDS = {ALLOCATED: "tensor (allocated)", POOL: "caching-allocator pool", DRIVER: "driver-layer",
                 UNKNOWN: "device-memory"}
+
+
+def _constant(v: np.ndarray) -> bool:
+    finite = v[~np.isnan(v)]
+    return not finite.size or finite.min() == finite.max()
 
 
 def _col(p, column):
