@@ -154,6 +154,13 @@ def result_of(seq) -> dict:
                         "e2e_s": timings.get("e2e_request_latency_seconds")}}
 
 
+class _HTTPServer(ThreadingHTTPServer):
+    # socketserver listens with a backlog of 5: a burst of clients overflows it and the
+    # kernel resets the connections it cannot queue, where the admission control is meant to
+    # answer them with 429. Serving frontends listen with hundreds (uvicorn: 2048).
+    request_queue_size = 1024
+
+
 class EngineServer:
     """The engine, its admission control and its HTTP front, with a drain on request."""
 
@@ -179,7 +186,7 @@ class EngineServer:
         self._stop_engine = False
         self._drain = threading.Event()
         self._engine_thread: threading.Thread | None = None
-        self.httpd = ThreadingHTTPServer((cfg.host, cfg.port), _handler_class(self))
+        self.httpd = _HTTPServer((cfg.host, cfg.port), _handler_class(self))
         self.httpd.daemon_threads = True
         self._http_thread: threading.Thread | None = None
 
