@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gpudiag.frames import Column, Rows, layout_groups
+from gpudiag.frames import Column, Rows, forward_fill, layout_groups
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -102,13 +102,7 @@ def held_counter(rows, column: str) -> np.ndarray:
     and an absent column reads as zeros."""
     if column not in rows:
         return np.zeros(len(rows))
-    v = rows[column].to_numpy(float)  # None reads as NaN
-    missing = np.isnan(v)
-    if missing.any():
-        # Forward fill: each sample takes the value of the latest sample at or before it that has one.
-        last = np.maximum.accumulate(np.where(missing, -1, np.arange(len(v))))
-        v = np.where(last >= 0, v[np.maximum(last, 0)], 0.0)
-    return v
+    return forward_fill(rows[column].to_numpy(float), lead=0.0)  # None reads as NaN
 
 
 def rolling_std(t: np.ndarray, x: np.ndarray, window_s: float) -> np.ndarray:

@@ -291,6 +291,25 @@ class DictColumn:
         return out
 
 
+def forward_fill(v: np.ndarray, *, lead: float | None = None) -> np.ndarray:
+    """NaNs take the latest value before them (a sample that missed a series holds its last value);
+    those before the first value take ``lead``, or the first value when ``lead`` is None.
+
+    ``v`` itself is returned when nothing is missing, or when every value is and ``lead`` is None.
+    """
+    ok = ~np.isnan(v)
+    if ok.all():
+        return v
+    if not ok.any():
+        return v if lead is None else np.full(v.shape, lead, dtype=float)
+    idx = np.where(ok, np.arange(v.size), 0)
+    np.maximum.accumulate(idx, out=idx)
+    out = v[idx]
+    first = int(np.argmax(ok))
+    out[:first] = v[first] if lead is None else lead
+    return out
+
+
 def layout_groups(lay: np.ndarray) -> list[tuple[int, np.ndarray]]:
     """(layout id, row positions) per distinct id of ``lay``; one shape for every row is the usual case."""
     if not len(lay):

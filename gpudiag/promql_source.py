@@ -56,7 +56,7 @@ import pandas as pd
 
 from gpudiag.catalog import BY_NAME, CATALOG, COUNTER, HISTOGRAM, INFO, METRICS, M
 from gpudiag.errors import GpudiagError
-from gpudiag.frames import Window
+from gpudiag.frames import Window, forward_fill
 
 # Prometheus refuses a range query whose result would exceed this many points per series.
 PROMETHEUS_MAX_POINTS = 11_000
@@ -456,28 +456,12 @@ class _Frames:
                 if value is not None:
                     data[label] = [value] * idx.size
             for col, arr in ent.cols.items():
-                data[col] = _hold_counter(arr[idx]) if CATALOG[col].type == COUNTER else arr[idx]
+                data[col] = forward_fill(arr[idx]) if CATALOG[col].type == COUNTER else arr[idx]
             for col, per_step in ent.nested.items():
                 data[col] = [per_step.get(int(i)) for i in idx]
             parts.setdefault(ent.kind, []).append(pd.DataFrame(data))
         return {kind: pd.concat(dfs, ignore_index=True).sort_values("t", kind="stable").reset_index(drop=True)
                 for kind, dfs in parts.items()}
-
-
-def _hold_counter(v: np.ndarray) -> np.ndarray:
-    """A counter missing at some steps (a failed scrape) holds its last value there, and its first before it.
-
-    No increase is seen where nothing was scraped; a NaN would make every rate after it NaN.
-    """
-    ok = ~np.isnan(v)
-    if ok.all() or not ok.any():
-        return v
-    idx = np.where(ok, np.arange(v.size), 0)
-    np.maximum.accumulate(idx, out=idx)
-    out = v[idx]
-    first = int(np.argmax(ok))
-    out[:first] = v[first]
-    return out
 
 
 def _labels(metric: dict[str, str]) -> dict[str, Any]:
