@@ -570,6 +570,9 @@ class _Handler(BaseHTTPRequestHandler):
 class _MetricsHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False
+    # socketserver listens with a backlog of 5: several scrapers at once (Prometheus replicas,
+    # a federation, curl loops) overflow it and the kernel drops or resets their connections.
+    request_queue_size = 128
 
     def __init__(self, address, family, registry, auth, tls: ssl.SSLContext | None):
         self.address_family = family

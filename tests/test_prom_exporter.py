@@ -9,10 +9,13 @@ import shutil
 import socket
 import ssl
 import subprocess
+import threading
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from netstat import listen_overflows
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpudiag.agent.prom_exporter import (
@@ -232,6 +235,37 @@ def _promtool() -> str:
     if path is None:
         pytest.skip("promtool not installed (scripts/system-deps.d/20-prometheus.sh installs Debian's prometheus)")
     return path
+
+
+def test_a_burst_of_scrapers_is_queued_by_the_listener_not_dropped_by_the_kernel(served):
+    # Prometheus replicas, a federation and on-call curl loops scrape at once; a listen queue
+    # of socketserver's default 5 overflows and the kernel drops or resets the connections.
+    server = served(latest_with_findings())
+    clients = 64
+    barrier = threading.Barrier(clients)
+
+    def one(_):
+        barrier.wait()
+        return socket.create_connection((server.host, server.port), timeout=30)
+
+    before = listen_overflows()
+    with ThreadPoolExecutor(max_workers=clients) as pool:
+        conns = list(pool.map(one, range(clients)))
+    try:
+        for conn in conns:
+            conn.sendall(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        replies = []
+        for conn in conns:
+            data = b""
+            while chunk := conn.recv(65536):
+                data += chunk
+            replies.append(data)
+    finally:
+        for conn in conns:
+            conn.close()
+    assert all(r.startswith(b"HTTP/1.0 200") for r in replies)
+    if before is not None:
+        assert listen_overflows() == before
 
 
 def test_promtool_check_metrics_finds_nothing_to_lint_in_any_catalog_metric(served):

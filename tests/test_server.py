@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from netstat import listen_overflows
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
@@ -143,20 +144,6 @@ class Served:
         self._log.close()
 
 
-def _listen_overflows() -> int | None:
-    """The kernel's count of connections a full listen queue turned away (all sockets), None where unreadable."""
-    try:
-        with open("/proc/net/netstat") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    for names, values in zip(lines[::2], lines[1::2]):
-        if names.startswith("TcpExt:"):
-            row = dict(zip(names.split()[1:], values.split()[1:]))
-            return int(row["ListenOverflows"]) if "ListenOverflows" in row else None
-    return None
-
-
 def _value(families, column, **labels) -> float:
     metric = CATALOG[column]
     # The parser names a counter's family without its _total; the sample keeps it.
@@ -265,13 +252,13 @@ def test_under_overload_the_excess_gets_429_with_retry_after_and_every_accepted_
     def one(i):
         return served.generate(prompt=f"request {i} of the burst", max_tokens=12, priority="batch", ignore_eos=True)
 
-    overflows_before = _listen_overflows()
+    overflows_before = listen_overflows()
     with ThreadPoolExecutor(max_workers=16) as pool:
         results = list(pool.map(one, range(sent)))
     # The burst is answered by the admission control, not by the kernel: a listen queue that
     # overflows drops connections and, with SYN cookies, resets some (the tests run one at a time).
     if overflows_before is not None:
-        assert _listen_overflows() == overflows_before
+        assert listen_overflows() == overflows_before
     statuses = [s for s, _, _ in results]
     accepted = [out for s, _, out in results if s == 200]
     refused = [(h, out) for s, h, out in results if s == 429]
