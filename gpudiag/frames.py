@@ -826,6 +826,23 @@ class Table:
                                           for g, (key, part) in enumerate(zip(group_keys, parts))]
         return got
 
+    def entity_column(self, keys: tuple[str, ...], name: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """(column ``name`` in the group order of :meth:`entity_rows`, each group's start and end) or None.
+
+        For a reduction over every entity at once (``np.fmax.reduceat(values, starts[:-1])``)
+        instead of one per entity; the entities' own reads share the copy. None when the
+        table has no such column, no rows, or keeps it other than as a numpy array.
+        """
+        if name not in self.columns or not self.n:
+            return None
+        entities = self.entity_rows(keys)
+        if not entities:
+            return None
+        layout = entities[0][1]._layout[0]
+        lazy = isinstance(self.columns, LazyColumns) and not self.columns.made(name)
+        got = layout.ordered(name, lambda: self.columns[name], lazy)
+        return None if got is None else (got, layout.starts)
+
     def lookup(self, keys: tuple[str, ...]) -> dict[tuple, int]:
         """Group number per key tuple of :meth:`groups` (groups with a missing label cannot be looked up)."""
         got = self._lookups.get(keys)
@@ -1380,6 +1397,28 @@ class _GroupLayout:
             self.made[name] = got = None if got is None else _readonly(got)
         return None if got is None else got[self.starts[g]:self.starts[g + 1]]
 
+    def ordered(self, name: str, col: Callable[[], Any], direct_first: bool) -> np.ndarray | None:
+        """The whole column ``name`` in group order (group ``g`` at ``starts[g]:starts[g+1]``), read-only.
+
+        Made from where it is kept when ``direct_first`` (a column not made yet), else
+        copied from ``col()``, once; the groups' own reads then slice the same copy.
+        None for a column that is not a numpy array.
+        """
+        if direct_first and self.direct is not None:
+            got = self.made.get(name, False)
+            if got is False:
+                got = self.direct(name)
+                self.made[name] = got = None if got is None else _readonly(got)
+            if got is not None:
+                return got
+        c = col()
+        if not isinstance(c, np.ndarray):
+            return None
+        got = self.copies.get(id(c))
+        if got is None:
+            got = self.copies[id(c)] = (c, self._copy(c))
+        return got[1]
+
     def gathered(self, col: np.ndarray, g: int) -> np.ndarray | None:
         """Group ``g``'s rows of ``col`` as a read-only slice of the column in group order; None: copy them."""
         key = id(col)
@@ -1614,6 +1653,12 @@ class Rows:
         group_keys, order, starts, _ = _group(self._table, self._idx, keys)
         for g, key in enumerate(group_keys):
             yield key, Rows(self._table, order[starts[g]:starts[g + 1]], self._names)
+
+    def entity_column(self, keys: tuple[str, ...], name: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """:meth:`Table.entity_column` for the groups of :meth:`groups`; None for rows not the whole table."""
+        if self._idx is not None or self._names is not None:
+            return None
+        return self._table.entity_column(keys, name)
 
     def matching(self, key: dict[str, Any]) -> Rows:
         """The rows whose columns equal ``key``'s values (``df[df[c] == v]`` for each; NaN matches nothing)."""

@@ -14,6 +14,7 @@ from gpudiag.analyzers import (
     oom_forecast,
     throttling,
 )
+from gpudiag.analyzers.common import per_entity
 from gpudiag.analyzers.registry import ANALYZERS, run_all
 from gpudiag.catalog import M
 from gpudiag.findings import Severity, alert_name
@@ -97,6 +98,28 @@ def test_a_tensor_leak_is_found_in_the_allocated_layer_hours_before_the_oom():
     assert (f.start_s, f.end_s) == (1.0, float(HOUR))
     assert f.runbook == alert_name("memory_leak") and f.fixes == ["no-leak"]
     assert evidence(f)["time_to_oom_seconds"].observed == f.details["time_to_oom_s"]
+
+
+def test_a_leak_among_many_still_processes_is_found_and_only_the_still_ones_are_passed_over():
+    # The still processes are told apart for all of them at once; the verdict must be the
+    # one each process would get on its own: constant, all missing, or a column absent.
+    n = 1800
+    procs = process_rows(n, **{M.process_torch_allocated_bytes: lambda t: 10 * GiB + 4 * MiB * t,
+                               M.process_torch_reserved_bytes: lambda t: 12 * GiB + 4 * MiB * t,
+                               M.process_gpu_memory_bytes: lambda t: 13 * GiB + 4 * MiB * t})
+    procs += process_rows(n, pid=5001, process="still", **{M.process_gpu_memory_bytes: 2 * GiB})
+    procs += process_rows(n, pid=5002, process="blank", **{M.process_gpu_memory_bytes: None})
+    procs += process_rows(n, pid=5003, process="moving-a-little",
+                          **{M.process_gpu_memory_bytes: lambda t: 3 * GiB + (MiB if t == n // 2 else 0)})
+    w = window(process=procs, gpu=gpu_rows(n, **{M.gpu_memory_total_bytes: 80 * GiB,
+                                                M.gpu_memory_used_bytes: lambda t: 20 * GiB + 4 * MiB * t}),
+               engine=engine_rows(n, **{M.num_requests_running: 32.0}))
+    proc = w.rows("process")
+    still = memory_leak._constant_per_entity(proc, ("node", "gpu", "pid"), memory_leak._LAYERS)
+    pids = [key["pid"] for key, _ in per_entity(proc, ["node", "gpu", "pid"])]
+    assert dict(zip(pids, still.tolist())) == {ENGINE_PID: False, 5001: True, 5002: True, 5003: False}
+    f = only(memory_leak.analyze(w), "memory_leak")
+    assert f.pid == ENGINE_PID and f.details["layer"] == "allocated"
 
 
 def test_allocated_growing_with_the_load_is_not_a_leak():
