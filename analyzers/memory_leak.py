@@ -28,7 +28,10 @@ it is not observed, and the details say so. Memory that follows the load
 (KV and activations of the running batch) is no leak even when the load is
 flat: each series is judged after removing the part a regression on the
 load explains (bytes per running request times the load's deviation from
-its mean), so only growth at constant load counts.
+its mean), so only growth at constant load counts. For the engine's own
+process the tensor layer is judged without the engine's KV (its
+engine_kv_reserved_bytes): KV follows the tokens held, which the running
+count does not measure, and it is memory the engine accounts for.
 
 Time to OOM: the device's free memory plus what the outer layers hold free
 (for a tensor leak the pool's cached bytes fill first) over the leaking
@@ -99,7 +102,8 @@ def analyze(window: Window) -> list[Finding]:
         gpu_key = (key.get("node"), key.get("gpu"))
         held = loads.get(gpu_key)
         if held is None:
-            held = loads[gpu_key] = [_engine_load(subset(eng, key)), None, None]
+            engine_rows = subset(eng, key)
+            held = loads[gpu_key] = [_engine_load(engine_rows), None, None, _engine_kv(engine_rows)]
         if held[1] is not None and held[1].shape == t.shape and np.array_equal(held[1], t):
             load_flat, load, running, fit = held[2]  # the processes of one GPU are sampled together
             load = dict(load)
@@ -107,7 +111,8 @@ def analyze(window: Window) -> list[Finding]:
             load_flat, load, running = _load_at(held[0], t)
             fit = _regressors(t, running) if running is not None and load_flat else None
             held[1], held[2] = t, (load_flat, load, running, fit)
-        verdict = _leaking_layer(t, white, grey, black, load_flat, running, fit)
+        outside_kv = _outside_kv(p, t, white, held[3])
+        verdict = _leaking_layer(t, white, grey, black, load_flat, running, fit, outside_kv)
         if verdict is None:
             continue
         layer, growth, leaked_col = verdict
@@ -121,7 +126,8 @@ def analyze(window: Window) -> list[Finding]:
             continue
         observed = [name for name, v in (("white", white), ("grey", grey), ("black", black)) if v is not None]
         details = {"layer": layer, "layers_observed": observed, "growth_bytes_per_second": growth,
-                   "grown_bytes": grown, "time_to_oom_s": tto, "load": load}
+                   "grown_bytes": grown, "time_to_oom_s": tto, "load": load,
+                   "engine_kv_excluded": outside_kv is not None}
         if layer == UNKNOWN:
             details["note"] = ("no in-process reporter: judged with the driver layer (black) alone; white and "
                                "grey are needed to tell a tensor, pool or driver leak apart")
@@ -194,6 +200,36 @@ def _col(p, column):
     return p[column].to_numpy(float)
 
 
+def _engine_kv(e) -> tuple[set, np.ndarray, np.ndarray] | None:
+    """(engine names, sample times, KV bytes allocated to requests) of one GPU's engine rows; None without."""
+    if e.empty or M.engine_kv_reserved_bytes not in e or "engine" not in e:
+        return None
+    e = e[e[M.engine_kv_reserved_bytes].notna()]
+    if e.empty:
+        return None
+    return set(e["engine"].dropna().tolist()), e["t"].to_numpy(float), e[M.engine_kv_reserved_bytes].to_numpy(float)
+
+
+def _outside_kv(p, t, white, kv) -> np.ndarray | None:
+    """The engine process' allocated bytes less its KV (None for any other process, or KV not inside them).
+
+    KV is the engine's working set: it grows with the tokens held, which the running count
+    does not measure (a few long sequences hold as much as many short ones); a leak is
+    memory the engine does not account for. The engine's process is the one named as the
+    engine, and its KV must fit in its allocated bytes at every sample, else it is not there.
+    """
+    if kv is None or white is None or "process" not in p:
+        return None
+    names, te, v = kv
+    if not set(p["process"].dropna().tolist()) & names:
+        return None
+    at = np.interp(t, te, v)
+    outside = white - at
+    if np.nanmin(outside) < 0:
+        return None
+    return outside
+
+
 def _engine_load(e) -> tuple[bool, dict, np.ndarray | None, np.ndarray | None]:
     """(flat, load details, sample times, running batch) of one GPU's engine rows.
 
@@ -260,17 +296,19 @@ def _regressors(t, r):
     return r, mean, bool(np.ptp(r) == 0), tc, rc, float(tc @ tc), float(rc @ rc), float(tc @ rc)
 
 
-def _leaking_layer(t, white, grey, black, load_flat, running, fit):
+def _leaking_layer(t, white, grey, black, load_flat, running, fit, white_outside_kv=None):
     """(layer, growth bytes/s, growth column) of the innermost leaking layer, or None.
 
     ``fit``: :func:`_regressors` of (t, running) (None without a load), shared by the processes
-    sampled on one clock.
+    sampled on one clock. ``white_outside_kv``: for the engine's own process, its allocated
+    bytes less the engine's KV; the tensor layer is judged on that.
     """
     if not load_flat:
         return None
     white_c, grey_c, black_c = (_at_constant_load(t, y, running, fit) for y in (white, grey, black))
     if white is not None:
-        g = rising_slope(t, white_c)
+        tensors = white_c if white_outside_kv is None else _at_constant_load(t, white_outside_kv, running, fit)
+        g = rising_slope(t, tensors)
         if g is not None:
             return ALLOCATED, g, M.process_torch_allocated_growth_bytes_per_second
     if white is not None and grey is not None:

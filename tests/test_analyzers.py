@@ -122,6 +122,33 @@ def test_a_leak_among_many_still_processes_is_found_and_only_the_still_ones_are_
     assert f.pid == ENGINE_PID and f.details["layer"] == "allocated"
 
 
+def kv_window(kv, leak=lambda t: 0.0, n=900):
+    """The engine's process: allocated = weights + its KV (+ a leak); the running count wanders, flat."""
+    white = lambda t: 14 * GiB + kv(t) + leak(t)  # noqa: E731
+    proc = process_rows(n, **{M.process_torch_allocated_bytes: lambda t: white(t) + jitter(t),
+                              M.process_torch_reserved_bytes: lambda t: white(t) + 2 * GiB + jitter(t),
+                              M.process_gpu_memory_bytes: lambda t: white(t) + 3 * GiB + jitter(t)})
+    gpu = gpu_rows(n, **{M.gpu_memory_total_bytes: 80 * GiB,
+                         M.gpu_memory_used_bytes: lambda t: white(t) + 3 * GiB})
+    eng = engine_rows(n, **{M.num_requests_running: noise(3, 6.0), M.engine_kv_reserved_bytes: kv})
+    for r in eng:
+        r[M.num_requests_running] = 100.0 + r[M.num_requests_running]
+    return window(process=proc, gpu=gpu, engine=eng)
+
+
+def test_kv_growing_with_the_tokens_held_at_a_flat_running_count_is_not_a_leak():
+    # Long sequences arrive: as many requests run, but each holds more KV (SCENARIOS.md §1's long phase).
+    w = kv_window(kv=lambda t: 10 * GiB + 3 * MiB * t)
+    assert not [f for f in memory_leak.analyze(w) if f.kind == "memory_leak"]
+
+
+def test_a_tensor_leak_on_top_of_growing_kv_is_still_found_outside_the_kv():
+    w = kv_window(kv=lambda t: 10 * GiB + 3 * MiB * t, leak=lambda t: 2 * MiB * t)
+    f = only(memory_leak.analyze(w), "memory_leak")
+    assert f.details["layer"] == "allocated" and f.details["engine_kv_excluded"]
+    assert f.details["growth_bytes_per_second"] == pytest.approx(2 * MiB, rel=0.1)
+
+
 def test_allocated_growing_with_the_load_is_not_a_leak():
     w = leak_window(white=lambda t: 20 * GiB + 4 * MiB * t, grey=lambda t: 22 * GiB + 4 * MiB * t,
                     black=lambda t: 23 * GiB + 4 * MiB * t, load=lambda t: 8 + 48 * t / HOUR)
