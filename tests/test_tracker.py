@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from gpudiag.agent import tracker as tracker_module
@@ -12,6 +13,7 @@ from gpudiag.agent.tracker import (
     NVML_NO_VALUE,
     NVML_NOT_LISTED,
     ThreeColourTracker,
+    _Trend,
     least_squares_slope,
 )
 from gpudiag.catalog import M
@@ -169,3 +171,22 @@ def test_the_running_trend_equals_a_full_least_squares_fit_over_days(monkeypatch
         (row,) = tick(tracker, t, nvml(10, black))
     window = [(t, y) for t, y in samples if t >= samples[-1][0] - 40]
     assert row[M.process_gpu_memory_growth_bytes_per_second] == pytest.approx(least_squares_slope(window), rel=1e-6)
+
+
+def test_a_layer_trend_keeps_only_its_window_and_its_slope_matches_a_fit_of_those_samples():
+    # Samples leave in bulk (the arrays are cut once half of them are out) and the sums are
+    # rebased every few thousand removals: the slope must still be the window's own fit.
+    rng = np.random.default_rng(0)
+    trend, window = _Trend(), 1500.0
+    ts = np.arange(10_000, dtype=float)
+    ys = 3.0 * ts + 80e9 + rng.normal(0.0, 50.0, ts.size)
+    for t, y in zip(ts, ys):
+        trend.add(float(t), float(y))
+        trend.drop_before(float(t) - window)
+        if int(t) % 2500 == 2499:
+            keep = ts[(ts >= t - window) & (ts <= t)]
+            assert trend.n == keep.size
+            assert len(trend.ts) <= 2 * keep.size + 1024  # cut in bulk, never the whole history
+            fit = np.polyfit(keep, ys[keep.astype(int)], 1)[0]
+            assert abs(trend.slope() - fit) < 1e-6 * abs(fit)
+            assert trend.span_s == keep[-1] - keep[0]
