@@ -97,7 +97,7 @@ def analyze(window: Window) -> list[Finding]:
             continue  # memory that never moved (told for every process at once)
         t = p["t"].to_numpy(float)
         white, grey, black = (_col(p, c) for c in _LAYERS)
-        if all(v is None or _constant(v) for v in (white, grey, black)):
+        if still is None and all(v is None or _constant(v) for v in (white, grey, black)):
             continue  # memory that never moved has no trend, with or without the load taken out
         gpu_key = (key.get("node"), key.get("gpu"))
         held = loads.get(gpu_key)

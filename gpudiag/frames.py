@@ -1387,14 +1387,26 @@ class _GroupLayout:
         self.direct: Callable[[str], np.ndarray | None] | None = None
         self.made: dict[str, np.ndarray | None] = {}
 
-    def gathered_directly(self, name: str, g: int) -> np.ndarray | None:
-        """Group ``g``'s rows of the table's column ``name``, made in group order from its source; None: not so."""
+    def _direct_whole(self, name: str) -> np.ndarray | None:
+        """The column ``name`` in group order made from its source, once; None: not so."""
         if self.direct is None:
             return None
         got = self.made.get(name, False)
         if got is False:
             got = self.direct(name)
             self.made[name] = got = None if got is None else _readonly(got)
+        return got
+
+    def _copy_of(self, col: np.ndarray) -> np.ndarray:
+        """``col`` in group order, copied once."""
+        got = self.copies.get(id(col))
+        if got is None:
+            got = self.copies[id(col)] = (col, self._copy(col))
+        return got[1]
+
+    def gathered_directly(self, name: str, g: int) -> np.ndarray | None:
+        """Group ``g``'s rows of the table's column ``name``, made in group order from its source; None: not so."""
+        got = self._direct_whole(name)
         return None if got is None else got[self.starts[g]:self.starts[g + 1]]
 
     def ordered(self, name: str, col: Callable[[], Any], direct_first: bool) -> np.ndarray | None:
@@ -1404,31 +1416,20 @@ class _GroupLayout:
         copied from ``col()``, once; the groups' own reads then slice the same copy.
         None for a column that is not a numpy array.
         """
-        if direct_first and self.direct is not None:
-            got = self.made.get(name, False)
-            if got is False:
-                got = self.direct(name)
-                self.made[name] = got = None if got is None else _readonly(got)
-            if got is not None:
-                return got
+        got = self._direct_whole(name) if direct_first else None
+        if got is not None:
+            return got
         c = col()
-        if not isinstance(c, np.ndarray):
-            return None
-        got = self.copies.get(id(c))
-        if got is None:
-            got = self.copies[id(c)] = (c, self._copy(c))
-        return got[1]
+        return self._copy_of(c) if isinstance(c, np.ndarray) else None
 
     def gathered(self, col: np.ndarray, g: int) -> np.ndarray | None:
         """Group ``g``'s rows of ``col`` as a read-only slice of the column in group order; None: copy them."""
         key = id(col)
-        got = self.copies.get(key)
-        if got is None:
+        if key not in self.copies:
             asks = self.asks[key] = self.asks.get(key, 0) + 1
             if asks < self.threshold:
                 return None
-            got = self.copies[key] = (col, self._copy(col))
-        return got[1][self.starts[g]:self.starts[g + 1]]
+        return self._copy_of(col)[self.starts[g]:self.starts[g + 1]]
 
     def _copy(self, col: np.ndarray) -> np.ndarray:
         if self.steps is None:
