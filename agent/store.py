@@ -101,7 +101,7 @@ from gpudiag.frames import _factorize as _factorize_table_column
 
 log = logging.getLogger("gpudiag.agent.store")
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 DEFAULT_RETENTION_S = 7 * 86400.0
 DEFAULT_MAX_BYTES = 2 * 1024**3
 # Sealed chunks of 5 minutes: long enough that the per-entity first value of each
@@ -239,7 +239,9 @@ def _table(kind: str) -> str:
 # Rows are stored grouped by entity (stable, so time order holds inside an entity)
 # with the permutation that restores the appended order. Column codecs:
 #   int    int64: first differences divided by their greatest common divisor
-#          (counters, bytes in pages or MiB, pids)
+#          (counters, bytes in pages or MiB, pids); differences of both signs (gauges
+#          that go up and down) zigzag-mapped ("zz"), so small steps down stay small
+#          numbers instead of filling every high byte with 0xff
 #   dec    float64 within a few ulps of k / 10**scale: the integers k (as int), the
 #          ulp residuals and a NaN bitmap (ratios from percent, watts from mW)
 #   xor    other float64: IEEE bits XOR the previous value's bits
@@ -280,6 +282,7 @@ def _deltas(a: np.ndarray) -> np.ndarray:
 
 
 _WIDTHS = (np.int8, np.int16, np.int32)
+_UWIDTHS = (np.uint8, np.uint16, np.uint32)
 
 
 def _narrow(a: np.ndarray) -> np.ndarray:
@@ -294,6 +297,16 @@ def _narrow(a: np.ndarray) -> np.ndarray:
     return a.astype(np.int64, copy=False)
 
 
+def _narrow_unsigned(a: np.ndarray) -> np.ndarray:
+    """Non-negative int64 (or zigzag codes that wrapped past 2**63) in the narrowest unsigned type that holds them."""
+    u = a.view(np.uint64)
+    hi = int(u.max()) if len(u) else 0
+    for dtype in _UWIDTHS:
+        if hi <= np.iinfo(dtype).max:
+            return u.astype(dtype)
+    return u
+
+
 def _encode_ints(a: np.ndarray) -> tuple[dict, list[bytes]]:
     d = _deltas(a.astype(np.int64, copy=False))
     g = int(np.gcd.reduce(d)) if len(d) else 1
@@ -301,7 +314,13 @@ def _encode_ints(a: np.ndarray) -> tuple[dict, list[bytes]]:
     if g > 1:
         d = d // g
         meta["gcd"] = g
-    d = _narrow(d)
+    if len(d) > 1 and int(d[1:].min()) < 0 < int(d[1:].max()):
+        # Zigzag: 0, -1, 1, -2, ... -> 0, 1, 2, 3, ...; two's complement would give a gauge's
+        # every step down high bytes of 0xff, the one byte plane the compressor could skip.
+        d = _narrow_unsigned((d << 1) ^ (d >> 63))
+        meta["zz"] = True
+    else:
+        d = _narrow(d)
     meta["width"] = d.dtype.itemsize
     return meta, [_shuffle(d)]
 
@@ -309,7 +328,12 @@ def _encode_ints(a: np.ndarray) -> tuple[dict, list[bytes]]:
 def _decode_ints(meta: dict, part: bytes, n: int) -> np.ndarray:
     # Summed in int64 straight from the narrow deltas; the gcd multiplies the sums, which in
     # int64's wrapping arithmetic equals summing the multiplied deltas.
-    a = np.cumsum(_unshuffle(part, np.dtype(f"<i{meta['width']}"), n), dtype=np.int64)
+    if meta.get("zz"):
+        u = _unshuffle(part, np.dtype(f"<u{meta['width']}"), n).astype(np.uint64)
+        d = ((u >> np.uint64(1)) ^ (np.uint64(0) - (u & np.uint64(1)))).view(np.int64)
+    else:
+        d = _unshuffle(part, np.dtype(f"<i{meta['width']}"), n)
+    a = np.cumsum(d, dtype=np.int64)
     if "gcd" in meta:
         a *= meta["gcd"]
     return a
@@ -1663,10 +1687,18 @@ def _migration_3_zstd_chunks(conn: sqlite3.Connection) -> None:
     pass
 
 
+def _migration_4_zigzag_ints(conn: sqlite3.Connection) -> None:
+    # Sealed chunks from now on may hold zigzag integer columns ("zz" in a column's header),
+    # which a gpudiag of schema 3 would decode into wrong numbers without noticing: the
+    # version bump makes it refuse the store instead. Chunks already stored read as they are.
+    pass
+
+
 MIGRATIONS: tuple[tuple[int, str, Any], ...] = (
     (1, "initial", _migration_1_initial),
     (2, "findings_entity", _migration_2_findings_entity),
     (3, "zstd_chunks", _migration_3_zstd_chunks),
+    (4, "zigzag_ints", _migration_4_zigzag_ints),
 )
 assert MIGRATIONS[-1][0] == SCHEMA_VERSION
 

@@ -96,7 +96,7 @@ def test_a_new_store_runs_in_wal_mode_at_the_current_schema(tmp_path):
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     conn.close()
     assert meta["schema_version"] == SCHEMA_VERSION
-    assert [m["name"] for m in meta["migrations"]] == ["initial", "findings_entity", "zstd_chunks"]
+    assert [m["name"] for m in meta["migrations"]] == ["initial", "findings_entity", "zstd_chunks", "zigzag_ints"]
 
 
 def test_frames_read_back_exactly_as_appended_before_and_after_sealing(tmp_path):
@@ -156,7 +156,7 @@ def test_every_column_codec_is_lossless(data):
     n = data.draw(st.integers(1, 40))
     finite = st.floats(allow_nan=False, allow_infinity=True, width=64)
     columns_of = {
-        "ints": st.lists(st.integers(-2**62, 2**62), min_size=n, max_size=n),
+        "ints": st.lists(st.integers(-2**63, 2**63 - 1), min_size=n, max_size=n),  # steps that wrap in int64
         "floats": st.lists(st.one_of(finite, st.just(math.nan), st.just(-0.0)), min_size=n, max_size=n),
         "decimals": st.lists(st.integers(0, 10_000).map(lambda k: k / 100), min_size=n, max_size=n),
         "labels": st.lists(st.one_of(st.none(), st.sampled_from(["python3", "vllm", "ü-worker", ""])),
@@ -186,6 +186,53 @@ def test_every_column_codec_is_lossless(data):
                     assert a == b and type(a) is type(b), (name, sealed, a, b)
                     if isinstance(b, float):
                         assert math.copysign(1, a) == math.copysign(1, b)  # -0.0 stays -0.0
+
+
+def _column_bytes(block: bytes, name: str) -> int:
+    """Compressed bytes of one column of a sealed block (its frame size in the block header)."""
+    import struct
+
+    from gpudiag.agent.store import _decompress
+
+    (head_z,) = struct.unpack("<I", block[4:8])
+    header = json.loads(_decompress(memoryview(block)[8:8 + head_z]))
+    return next(m["z"] for m in header["columns"] if m["name"] == name)
+
+
+def test_a_gauge_that_goes_up_and_down_costs_about_a_bit_per_value_more_than_a_counter():
+    # Steps of both signs are zigzag-coded; in two's complement every step down would fill the
+    # high bytes with 0xff and the gauge would cost 1.6x the counter here.
+    rng = np.random.default_rng(1)
+    n = 3000
+    steps = rng.integers(1, 60, n)
+    gauge = 10**9 + np.cumsum(steps * rng.choice([-1, 1], n))
+    counter = 10**9 + np.cumsum(steps)
+    t = T0 + np.arange(n, dtype=float)
+    sizes = {}
+    for name, col in (("gauge", gauge), ("counter", counter)):
+        block = encode_block({"t": t, M.gpu_memory_used_bytes: col}, n)
+        assert np.array_equal(decode_block(block)[1][M.gpu_memory_used_bytes], col)
+        sizes[name] = _column_bytes(block, M.gpu_memory_used_bytes)
+    assert sizes["gauge"] <= sizes["counter"] + 1.1 * n / 8  # the sign of each step: one bit
+
+
+# A sealed block as schema 3 wrote it: integer steps in two's complement (gauges 40, 38, 41 MiB
+# on GPU 0 and 10, 12, 9 MiB on GPU 1; watts with steps down), no "zz" in its header.
+_SCHEMA_3_BLOCK = (
+    "R0RCMsUAAAAotS/9YK0A3QUA0goiHWBHqwMQ471uoj1NiqQ1s5FbFKWA7unYXw8wCAK7tSLDX/ixWYTfQTVnTqWk2ApMEk2OY85BZzWTPQkDibWk"
+    "iRCha5cMABRQDIbP1oEMTQ7DzNe2EgR/+X6e325QnF6aZE12/LZEFAH/qfcd+I2oJb8Fv2CypnzPX83gekGAL5+jCFxfg/9eCBMAKfZ9d8gKbBgI"
+    "65sWWCgYiKELOizBocC3robbagtX+8IewLBLqY0kWPKY9UhQnCi1L/0gBjEAAAACAv0CAii1L/0gGMEAAAACAv0CAvEAAP8AAFMAAP8AAGUAAP8A"
+    "ACi1L/0gBjEAAAAAAAEAACi1L/0gBjEAACj+A+EC/Si1L/0gDGEAAOr6C1IF9gP/AP0A/w==")
+
+
+def test_a_block_of_schema_3_with_steps_down_still_reads_exactly():
+    import base64
+
+    n, got = decode_block(base64.b64decode(_SCHEMA_3_BLOCK))
+    assert n == 6
+    assert got["gpu"].tolist() == [0, 1] * 3
+    assert (got[M.gpu_memory_used_bytes] // MIB).tolist() == [40, 10, 38, 12, 41, 9]
+    assert got[M.gpu_power_watts].tolist() == [250.5, 80.25, 249.0, 81.5, 251.75, 79.0]
 
 
 # --- findings --------------------------------------------------------------------------
@@ -302,7 +349,7 @@ def test_a_schema_1_store_is_readable_and_migrated_on_the_first_write_open(tmp_p
     with Store.open(path) as store:
         meta = store.meta()
         assert meta["schema_version"] == SCHEMA_VERSION
-        assert [m["name"] for m in meta["migrations"]] == ["initial", "findings_entity", "zstd_chunks"]
+        assert [m["name"] for m in meta["migrations"]] == ["initial", "findings_entity", "zstd_chunks", "zigzag_ints"]
         assert len(store.window(-math.inf, math.inf).table("gpu")) == 20
         old = store.window(-math.inf, math.inf).table("gpu")
         assert [f["kind"] for f in store.findings(-math.inf, math.inf, gpu=1)] == ["cpu_starved"]
