@@ -16,7 +16,7 @@ import pandas as pd
 
 from gpudiag.analyzers.common import counter_increase
 from gpudiag.analyzers.registry import run_all
-from gpudiag.catalog import M
+from gpudiag.catalog import CONTEXT_BUCKETS, M, context_bucket
 from gpudiag.findings import Finding, deep_clean
 from gpudiag.frames import Window
 from gpudiag.reference_engine.engine import SimEngine
@@ -71,6 +71,32 @@ def slo(requests: pd.DataFrame) -> dict[str, float | None]:
     }
 
 
+# A context bucket's percentiles are reported when at least this many of a phase's requests
+# fell in it: with fewer, a P99 is the value of one or two requests.
+MIN_BUCKET_REQUESTS = 100
+
+
+def by_context(requests: pd.DataFrame) -> dict[str, dict[str, Any]]:
+    """Per ``context_bucket`` (prompt + output tokens) with requests: their count and latency percentiles.
+
+    The field's storm is in the decode of long sequences only; over all requests the short
+    ones, many more, hide it. Percentiles are None in a bucket of fewer than MIN_BUCKET_REQUESTS.
+    """
+    if requests.empty or "prompt_tokens" not in requests or "output_tokens" not in requests:
+        return {}
+    tokens = (requests["prompt_tokens"].to_numpy(float) + requests["output_tokens"].to_numpy(float)).tolist()
+    buckets = np.array([context_bucket(x) or "" for x in tokens], dtype=object)
+    out = {}
+    for b in CONTEXT_BUCKETS:
+        sel = buckets == b
+        n = int(sel.sum())
+        if not n:
+            continue
+        got = slo(requests[sel]) if n >= MIN_BUCKET_REQUESTS else {}
+        out[b] = {"requests": n, **{k: got.get(k) for k in ("ttft_p50_s", "tpot_p50_s", "tpot_p99_s")}}
+    return out
+
+
 def _delta(df: pd.DataFrame, col: str) -> int:
     if df.empty or col not in df:
         return 0
@@ -99,6 +125,7 @@ def phase_stats(res: RunResult) -> list[dict[str, Any]]:
         out.append({
             "name": name, "start_s": start, "end_s": end,
             "slo": slo(r),
+            "by_context": by_context(r),
             "qps": arrived / (end - start) if end > start else 0.0,
             "gpu_util_mean": float(util.mean()) if util.size else None,
             "gpu_util_min": float(util.min()) if util.size else None,

@@ -81,6 +81,32 @@ def test_an_eviction_storm_is_found_and_traced_back_to_fragmentation(storm):
     assert kinds.index("memory_fragmentation") < kinds.index("kv_eviction_storm")
 
 
+def _longest_reported(phase):
+    """(bucket, numbers) of the longest context bucket with percentiles in a phase."""
+    reported = [(b, v) for b, v in phase["by_context"].items() if v["tpot_p99_s"] is not None]
+    return reported[-1]
+
+
+def test_the_long_sequences_decode_several_times_slower_in_the_storm_and_paged_kv_restores_them(storm, paged):
+    # SCENARIOS.md §1: "decode time per token ~50 ms -> >400 ms, long-sequence requests only".
+    ph, fixed = phases(storm[1]), phases(paged[1])
+    before = ph["before"]["slo"]["tpot_p99_s"]
+    bucket, long_during = _longest_reported(ph["during"])
+    assert bucket not in ph["before"]["by_context"] or ph["before"]["by_context"][bucket]["tpot_p99_s"] is None
+    assert long_during["tpot_p99_s"] >= 3 * before
+    assert long_during["tpot_p50_s"] <= 1.5 * ph["during"]["slo"]["tpot_p50_s"]  # a tail of evicted ones
+    assert fixed["during"]["by_context"][bucket]["tpot_p99_s"] <= 1.5 * before
+
+
+def test_a_context_bucket_of_few_requests_reports_its_count_and_no_percentiles(storm):
+    for p in storm[1]["phases"]:
+        for v in p["by_context"].values():
+            assert v["requests"] > 0
+            assert (v["tpot_p99_s"] is None) == (v["requests"] < repro.MIN_BUCKET_REQUESTS)
+    assert sum(v["requests"] for v in phases(storm[1])["during"]["by_context"].values()) \
+        == phases(storm[1])["during"]["requests"]
+
+
 def test_paged_kv_removes_the_storm_and_keeps_decode_latency_close_to_normal(paged):
     res, doc = paged
     assert doc["totals"]["evictions"] == 0

@@ -127,6 +127,12 @@ def _trend(p) -> str:
     return f"{fmt_bytes(p['reserved_mean_bytes'])} reserved, {arrow} ({fmt_bytes(per_h)}/h)"
 
 
+def _by_context(p) -> str:
+    lines = [f"{b}: {fmt_seconds(v['tpot_p99_s']) if v['tpot_p99_s'] is not None else 'n/a'} ({v['requests']} req)"
+             for b, v in p.get("by_context", {}).items()]
+    return "\n".join(lines) or "n/a"
+
+
 def _incident_table(doc) -> Table:
     phases = doc["phases"]
     t = Table(title=f"{doc['scenario']}" + (f" with --fix {doc['fix']}" if doc["fix"] else " (unfixed)"))
@@ -139,6 +145,7 @@ def _incident_table(doc) -> Table:
         ("TTFT P99", [fmt_seconds(p["slo"]["ttft_p99_s"]) for p in phases]),
         ("TPOT P99", [fmt_seconds(p["slo"]["tpot_p99_s"]) for p in phases]),
         ("TPOT P999", [fmt_seconds(p["slo"]["tpot_p999_s"]) for p in phases]),
+        ("TPOT P99 by context (prompt + output tokens)", [_by_context(p) for p in phases]),
         ("GPU memory (torch)", [_trend(p) for p in phases]),
         ("host CPU (engine)", [f"{fmt_ratio(p['host_cpu_mean'])} mean, {fmt_ratio(p['host_cpu_max'])} max"
                                for p in phases]),
