@@ -1479,6 +1479,24 @@ def _lazy_column(out: _ColumnOut, kept: list[_WindowBlock], starts: list[int], s
     return lambda: guard(make)
 
 
+def _flattened(block: tuple[int, dict], strings: dict[str, str]) -> tuple[int, dict]:
+    """A decoded fresh block made compact for a seal, which joins ~300 of them.
+
+    Dict columns are flattened (as Python dicts, a busy node's per-process counters would all
+    be alive at once: tens of MB), and each label decoded from a fresh block's JSON, a new
+    string per row, becomes the one string ``strings`` keeps for its text.
+    """
+    n, columns = block
+    out = {}
+    for name, a in columns.items():
+        a = _flat_dicts(a)
+        if isinstance(a, np.ndarray) and a.dtype == object:
+            a = np.fromiter((strings.setdefault(v, v) if type(v) is str else v for v in a.tolist()),
+                            dtype=object, count=len(a))
+        out[name] = a
+    return n, out
+
+
 def _flat_dicts(a):
     """An object column of dicts of numbers as a flattened dict column; anything else unchanged."""
     if isinstance(a, np.ndarray) and a.dtype == object:
@@ -1588,7 +1606,11 @@ def _transpose(rows: list[dict], keys: tuple) -> dict[str, list]:
 
 
 def _concat_columns(blocks: list[tuple[int, dict]]) -> tuple[int, dict]:
-    """Concatenate decoded (raw) blocks, filling columns a block lacks with NaN/None."""
+    """Concatenate decoded (raw) blocks, filling columns a block lacks with NaN/None.
+
+    Takes each column out of the blocks as it is joined, so the parts of a column are freed
+    once joined and the blocks and the result are never held in full together.
+    """
     names: dict[str, None] = {}
     for _, cols in blocks:
         for k in cols:
@@ -1597,7 +1619,7 @@ def _concat_columns(blocks: list[tuple[int, dict]]) -> tuple[int, dict]:
     total = sum(sizes)
     out: dict = {}
     for name in names:
-        parts = [cols.get(name) for _, cols in blocks]
+        parts = [cols.pop(name, None) for _, cols in blocks]
         present = [p for p in parts if p is not None]
         if all(isinstance(p, _DictColumn) for p in present):
             out[name] = _DictColumn.concat(parts, sizes)
@@ -2119,7 +2141,9 @@ class Store:
             for _, members in sorted(groups.items()):
                 if seals >= MAX_SEALS_PER_FLUSH and not final:
                     break
-                n, columns = _concat_columns([decode_block(data, raw=True) for _, data in members])
+                strings: dict[str, str] = {}
+                n, columns = _concat_columns([_flattened(decode_block(data, raw=True), strings)
+                                              for _, data in members])
                 ts = columns["t"]
                 block = encode_block(columns, n, sealed=True)
                 conn.execute("BEGIN IMMEDIATE")

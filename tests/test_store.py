@@ -118,6 +118,35 @@ def test_frames_read_back_exactly_as_appended_before_and_after_sealing(tmp_path)
     assert got.node == "node-a"
 
 
+def test_a_seal_keeps_every_value_and_type_of_fresh_chunks_that_differ_in_their_columns(tmp_path):
+    # Fresh chunks are flattened and their labels shared one by one before they are joined.
+    def row(tick: int) -> dict:
+        r = {"pid": tick % 3, "process": ["python3", "1", "vllm"][tick % 3], "mixed": [1, True, 1.0, "1"][tick % 4]}
+        if tick % 5:  # some chunks lack the counters, some rows hold None, one holds a string
+            r[M.process_context_switches_total] = (None if tick % 7 == 0 else {"voluntary": tick, "x": "y"}
+                                                   if tick == 11 else {"voluntary": tick, "involuntary": 2 * tick})
+        return r
+
+    path = str(tmp_path / "node.db")
+    want = [row(tick) for tick in range(40)]
+    with Store.open(path, chunk_s=60) as store:
+        for tick, r in enumerate(want):
+            store.append([Frame("process", T0 + tick, [dict(r)])])
+            store.flush()
+        store.append([Frame("process", T0 + 61, [row(61)])])
+        store.flush()  # the first minute is sealed
+    conn = sqlite3.connect(path)
+    (data,) = conn.execute("SELECT data FROM frames_process WHERE sealed = 1").fetchone()
+    conn.close()
+    n, got = decode_block(data)
+    assert n == len(want)
+    for name in ("pid", "process", "mixed", M.process_context_switches_total):
+        have = got[name].tolist()
+        expected = [r.get(name) for r in want]
+        assert have == expected, name
+        assert [type(v) for v in have] == [type(v) for v in expected], name
+
+
 def test_a_time_range_window_holds_exactly_the_rows_inside_it(tmp_path):
     path = str(tmp_path / "node.db")
     with Store.open(path, chunk_s=30) as store:
