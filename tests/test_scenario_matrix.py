@@ -14,6 +14,9 @@ import json
 
 import pytest
 
+from gpudiag.agent.daemon import _NOT_IN_WINDOW
+from gpudiag.analyzers.registry import run_all
+from gpudiag.frames import Window
 from gpudiag.reference_engine import scenarios
 
 SCENARIOS = sorted(scenarios.SCENARIOS)
@@ -92,3 +95,16 @@ def test_the_list_names_every_scenario_and_fix(cli):
         fix_names = {f["name"] if isinstance(f, dict) else f for f in fixes}
         assert fix_names == set(scenarios.SCENARIOS[name].fixes)
         assert names[name].get("summary")
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_the_agents_window_finds_the_same_without_the_columns_it_leaves_out(scenario_run, name):
+    res = scenario_run(name)
+    w = res.window
+    tables = {}
+    for kind in w.tables:
+        table = w.columns(kind)
+        tables[kind] = table.with_columns([c for c in table.columns if c not in _NOT_IN_WINDOW])
+    left_out = {c for kind in w.tables for c in w.columns(kind).columns if c in _NOT_IN_WINDOW}
+    pruned = Window.from_columns(tables, start_s=w.start_s, end_s=w.end_s, node=w.node)
+    assert [f.to_dict() for f in run_all(pruned)] == [f.to_dict() for f in res.findings], left_out
