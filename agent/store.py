@@ -445,8 +445,13 @@ class _DictColumn:
         leaves, ints = {}, set()
         for path, column in leaf_values.items():
             present = [x for x in column if x is not None]
-            if all(isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) for x in present):
+            whole = [isinstance(x, (int, np.integer)) for x in present]
+            if all(whole):
+                if present and max(abs(int(x)) for x in present) >= _EXACT_INT_LIMIT:
+                    return None  # past 2**53 a leaf's float64 array would round them
                 ints.add(path)
+            elif any(whole):
+                return None  # ints and floats in one leaf: one array would turn the ints into floats
             leaves[path] = np.array([np.nan if x is None else float(x) for x in column], dtype=np.float64)
         return cls(list(layouts), codes, leaves, ints)
 
@@ -518,9 +523,9 @@ def _flatten(d: dict, prefix: tuple, out: list) -> bool:
         if isinstance(v, dict):
             if not v or not _flatten(v, path, out):
                 return False
-        elif v is None or isinstance(v, (int, float, np.integer, np.floating)):
+        elif isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_)):
             out.append((path, v))
-        else:
+        else:  # a bool or None leaf would come back as a number or NaN: such dicts stay JSON
             return False
     return True
 
@@ -582,6 +587,8 @@ def _freeze(v):
     if isinstance(v, (list, tuple)):
         return ("l", tuple(_freeze(x) for x in v))
     hash(v)
+    if type(v) is float:
+        return (float, repr(v))  # -0.0 == 0.0, but their texts differ
     return (type(v), v)
 
 
@@ -649,6 +656,26 @@ def _label_lookup(values: list, missing=_NAN) -> np.ndarray:
     return lookup
 
 
+class _TextDicts:
+    """Equal dicts of strings decoded from one fresh block become one object.
+
+    A fresh block's object columns are one JSON list, and JSON gives every row its own
+    dict: the tracker's ``missing_reasons`` (a few reasons per process, the same every
+    second) would be ~300 x 128 dicts of new strings in a seal of a busy node. Only dicts
+    whose values are all strings are shared (equal as tuples means equal as JSON; with
+    numbers, 1 == True == 1.0 and 0.0 == -0.0 would merge values of other types). A sealed
+    block's json codec shares its values the same way: decoded values are read, never changed.
+    """
+
+    def __init__(self):
+        self._seen: dict[tuple, dict] = {}
+
+    def share(self, d: dict) -> dict:
+        if all(type(v) is str for v in d.values()):
+            return self._seen.setdefault(tuple(d.items()), d)
+        return d
+
+
 def _decode_column(meta: dict, cur: _Cursor, n: int, labels: dict | None = None):
     """One column of a block; with ``labels``, a string column's (codes, values) go there (-1: missing)."""
     codec = meta["codec"]
@@ -666,7 +693,7 @@ def _decode_column(meta: dict, cur: _Cursor, n: int, labels: dict | None = None)
     if codec == "raw":
         return np.frombuffer(parts[0], dtype=np.dtype(meta["dtype"])).copy()
     if codec == "jsonlist":
-        return _objects(json.loads(parts[0]))
+        return _objects(json.loads(parts[0], object_hook=_TextDicts().share))
     if codec == "bool":
         return np.frombuffer(parts[0], dtype=np.uint8).astype(bool)
     if codec == "int":
@@ -1621,7 +1648,7 @@ def _concat_columns(blocks: list[tuple[int, dict]]) -> tuple[int, dict]:
     for name in names:
         parts = [cols.pop(name, None) for _, cols in blocks]
         present = [p for p in parts if p is not None]
-        if all(isinstance(p, _DictColumn) for p in present):
+        if all(isinstance(p, _DictColumn) for p in present) and _same_leaf_types(present):
             out[name] = _DictColumn.concat(parts, sizes)
             continue
         parts = [p.to_objects() if isinstance(p, _DictColumn) else p for p in parts]
@@ -1650,6 +1677,16 @@ def _concat_columns(blocks: list[tuple[int, dict]]) -> tuple[int, dict]:
                 pos += n
             out[name] = merged
     return total, out
+
+
+def _same_leaf_types(parts: list[_DictColumn]) -> bool:
+    """True when no leaf holds ints in one part and floats in another (joined, they would all be floats)."""
+    ints: dict[tuple, bool] = {}
+    for part in parts:
+        for path in part.leaves:
+            if ints.setdefault(path, path in part.int_paths) != (path in part.int_paths):
+                return False
+    return True
 
 
 def _uniform_node(columns: dict) -> str | None:

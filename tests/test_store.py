@@ -121,7 +121,9 @@ def test_frames_read_back_exactly_as_appended_before_and_after_sealing(tmp_path)
 def test_a_seal_keeps_every_value_and_type_of_fresh_chunks_that_differ_in_their_columns(tmp_path):
     # Fresh chunks are flattened and their labels shared one by one before they are joined.
     def row(tick: int) -> dict:
-        r = {"pid": tick % 3, "process": ["python3", "1", "vllm"][tick % 3], "mixed": [1, True, 1.0, "1"][tick % 4]}
+        r = {"pid": tick % 3, "process": ["python3", "1", "vllm"][tick % 3], "mixed": [1, True, 1.0, "1"][tick % 4],
+             "reasons": [{"a": "no reporter"}, {"a": "no reporter", "b": "1"}, {"x": 1}, {"x": True}, {"x": 1.0},
+                         {"x": -0.0}, {"x": 0.0}][tick % 7]}
         if tick % 5:  # some chunks lack the counters, some rows hold None, one holds a string
             r[M.process_context_switches_total] = (None if tick % 7 == 0 else {"voluntary": tick, "x": "y"}
                                                    if tick == 11 else {"voluntary": tick, "involuntary": 2 * tick})
@@ -140,11 +142,25 @@ def test_a_seal_keeps_every_value_and_type_of_fresh_chunks_that_differ_in_their_
     conn.close()
     n, got = decode_block(data)
     assert n == len(want)
-    for name in ("pid", "process", "mixed", M.process_context_switches_total):
+    for name in ("pid", "process", "mixed", "reasons", M.process_context_switches_total):
         have = got[name].tolist()
         expected = [r.get(name) for r in want]
         assert have == expected, name
         assert [type(v) for v in have] == [type(v) for v in expected], name
+    reasons = [d["x"] for d in got["reasons"].tolist() if "x" in d]
+    assert [(type(x), math.copysign(1, x)) for x in reasons] == \
+        [(type(r["reasons"]["x"]), math.copysign(1, r["reasons"]["x"])) for r in want if "x" in r["reasons"]]
+
+
+def test_a_fresh_chunk_decodes_equal_dicts_of_strings_as_one_object():
+    from gpudiag.agent.store import _columns_from_frames
+
+    why = {M.process_torch_allocated_bytes: "no in-process reporter", M.process_torch_reserved_bytes: "no reporter"}
+    frames = [Frame("process", T0 + i, [{"pid": j, "missing_reasons": dict(why)} for j in range(50)]) for i in range(4)]
+    n, columns = _columns_from_frames(frames)
+    got = decode_block(encode_block(columns, n, sealed=False))[1]["missing_reasons"].tolist()
+    assert got == [why] * 200
+    assert len({id(d) for d in got}) == 1  # 200 rows, one dict: a seal of a busy node holds ~40 000 of them
 
 
 def test_a_time_range_window_holds_exactly_the_rows_inside_it(tmp_path):
@@ -193,7 +209,9 @@ def test_every_column_codec_is_lossless(data):
         "flags": st.lists(st.booleans(), min_size=n, max_size=n),
         "counters": st.lists(st.one_of(st.none(), st.fixed_dictionaries(
             {"voluntary": st.integers(0, 2**40)}, optional={"involuntary": st.integers(0, 9),
-                                                           "nested": st.fixed_dictionaries({"x": finite})})),
+                                                           "nested": st.fixed_dictionaries({"x": finite}),
+                                                           "odd": st.one_of(st.booleans(), st.none(), st.integers(),
+                                                                            finite)})),
             min_size=n, max_size=n),
         "anything": st.lists(st.one_of(st.none(), st.text(max_size=4), st.lists(st.integers(), max_size=2)),
                              min_size=n, max_size=n),
@@ -213,6 +231,8 @@ def test_every_column_codec_is_lossless(data):
                     assert isinstance(a, float) and math.isnan(a)
                 else:
                     assert a == b and type(a) is type(b), (name, sealed, a, b)
+                    if isinstance(b, (dict, list)):  # and inside: True, 1 and 1.0 are equal, their JSON is not
+                        assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True), (name, sealed, a, b)
                     if isinstance(b, float):
                         assert math.copysign(1, a) == math.copysign(1, b)  # -0.0 stays -0.0
 
