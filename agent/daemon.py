@@ -68,8 +68,8 @@ ANALYSIS_POLL_S = 0.05
 SIM_LEAD_S = 60.0
 FLUSH_INTERVAL_S = 1.0
 # Keys the in-memory window leaves out of its rows: the probe's state (not the timeline), and
-# columns no streaming analyzer reads (tests/test_window_columns.py checks that no analyzer
-# names them and that every scenario's findings stay the same without them). The window holds
+# columns no streaming analyzer reads (tests check that no analyzer names them and that every
+# scenario's findings stay the same without them). The window holds
 # 15 minutes of every row: on a node of 8 GPUs x 16 processes serving 80 requests a second
 # these are about a third of it (a unique request id string per request). The store and the
 # exporter keep them.

@@ -66,7 +66,7 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.utils import floatToGoString
 
-from gpudiag.catalog import BY_CONTEXT, CATALOG, COUNTER, GAUGE, HISTOGRAM, INFO, M, context_bucket
+from gpudiag.catalog import BY_CONTEXT, CATALOG, COUNTER, GAUGE, HISTOGRAM, INFO, M, request_context_bucket
 from gpudiag.catalog import Metric as CatalogMetric
 from gpudiag.errors import GpudiagError
 from gpudiag.frames import Frame
@@ -89,17 +89,6 @@ _LE_LABELS = tuple(floatToGoString(le) for le in LATENCY_BUCKETS_S)
 
 def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v))
-
-
-def _context_bucket_of(row: dict[str, Any]) -> str | None:
-    """A request row's ``context_bucket``: its own, else from its prompt and output tokens (None if unknown)."""
-    given = row.get("context_bucket")
-    if given:
-        return str(given)
-    prompt, output = row.get("prompt_tokens"), row.get("output_tokens")
-    if not _is_number(prompt) or not _is_number(output):
-        return None
-    return context_bucket(prompt + output)
 
 
 def _label_value(v) -> str:
@@ -183,7 +172,7 @@ class LatestFrames:
             listener(frames)
 
     def _observe(self, row: dict[str, Any]) -> None:
-        bucket = _context_bucket_of(row)
+        bucket = request_context_bucket(row)
         for key, value in row.items():
             metric = CATALOG.get(key)
             if metric is None or metric.type != HISTOGRAM or not _is_number(value):

@@ -297,14 +297,11 @@ def _narrow(a: np.ndarray) -> np.ndarray:
     return a.astype(np.int64, copy=False)
 
 
-def _narrow_unsigned(a: np.ndarray) -> np.ndarray:
-    """Non-negative int64 (or zigzag codes that wrapped past 2**63) in the narrowest unsigned type that holds them."""
-    u = a.view(np.uint64)
+def _narrow_zigzag(d: np.ndarray) -> np.ndarray:
+    """Zigzag codes of int64 steps (0, -1, 1, -2, ... -> 0, 1, 2, 3, ...) in the narrowest unsigned type."""
+    u = ((d << 1) ^ (d >> 63)).view(np.uint64)  # wraps past 2**63 as decoding expects
     hi = int(u.max()) if len(u) else 0
-    for dtype in _UWIDTHS:
-        if hi <= np.iinfo(dtype).max:
-            return u.astype(dtype)
-    return u
+    return next((u.astype(t) for t in _UWIDTHS if hi <= np.iinfo(t).max), u)
 
 
 def _encode_ints(a: np.ndarray) -> tuple[dict, list[bytes]]:
@@ -315,9 +312,9 @@ def _encode_ints(a: np.ndarray) -> tuple[dict, list[bytes]]:
         d = d // g
         meta["gcd"] = g
     if len(d) > 1 and int(d[1:].min()) < 0 < int(d[1:].max()):
-        # Zigzag: 0, -1, 1, -2, ... -> 0, 1, 2, 3, ...; two's complement would give a gauge's
-        # every step down high bytes of 0xff, the one byte plane the compressor could skip.
-        d = _narrow_unsigned((d << 1) ^ (d >> 63))
+        # Two's complement would give a gauge's every step down high bytes of 0xff, the one
+        # byte plane the compressor could skip.
+        d = _narrow_zigzag(d)
         meta["zz"] = True
     else:
         d = _narrow(d)
@@ -456,8 +453,9 @@ class _DictColumn:
         return cls(list(layouts), codes, leaves, ints)
 
     @classmethod
-    def concat(cls, parts: list[_DictColumn | None], sizes: list[int]) -> _DictColumn:
-        """Concatenate (None parts are rows without the column)."""
+    def concat(cls, parts: list[_DictColumn | None], sizes: list[int]) -> _DictColumn | None:
+        """Concatenate (None parts are rows without the column); None when a leaf holds ints in one
+        part and floats in another (one float array would turn those ints into floats)."""
         layouts: dict[tuple, int] = {}
         codes, all_paths = [], {}
         for part, n in zip(parts, sizes):
@@ -468,9 +466,9 @@ class _DictColumn:
                              dtype=np.int32)
             codes.append(remap[part.codes])
             for p in part.leaves:
-                all_paths.setdefault(p, None)
-        holders = [part for part in parts if part is not None]
-        int_paths = {p for p in all_paths if all(p in h.int_paths for h in holders if p in h.leaves)}
+                if all_paths.setdefault(p, p in part.int_paths) != (p in part.int_paths):
+                    return None
+        int_paths = {p for p, whole in all_paths.items() if whole}
         leaves = {p: np.concatenate([part.leaves[p] if part is not None and p in part.leaves else np.full(n, np.nan)
                                      for part, n in zip(parts, sizes)]) for p in all_paths}
         return cls(list(layouts), np.concatenate(codes), leaves, int_paths)
@@ -656,24 +654,29 @@ def _label_lookup(values: list, missing=_NAN) -> np.ndarray:
     return lookup
 
 
-class _TextDicts:
-    """Equal dicts of strings decoded from one fresh block become one object.
+class _Shared:
+    """Equal labels and equal dicts of strings decoded from one fresh block become one object.
 
     A fresh block's object columns are one JSON list, and JSON gives every row its own
-    dict: the tracker's ``missing_reasons`` (a few reasons per process, the same every
-    second) would be ~300 x 128 dicts of new strings in a seal of a busy node. Only dicts
-    whose values are all strings are shared (equal as tuples means equal as JSON; with
-    numbers, 1 == True == 1.0 and 0.0 == -0.0 would merge values of other types). A sealed
-    block's json codec shares its values the same way: decoded values are read, never changed.
+    strings and dicts: a process name per row, the tracker's ``missing_reasons`` (a few
+    reasons per process, the same every second), ~300 x 128 rows in a seal of a busy node.
+    Only strings and dicts whose values are all strings are shared (equal means equal as
+    JSON; with numbers, 1 == True == 1.0 and 0.0 == -0.0 would merge values of other types).
+    A sealed block's str and json codecs share their values the same way: decoded values
+    are read, never changed.
     """
 
     def __init__(self):
-        self._seen: dict[tuple, dict] = {}
+        self._seen: dict = {}
 
-    def share(self, d: dict) -> dict:
+    def dict(self, d: dict) -> dict:
         if all(type(v) is str for v in d.values()):
             return self._seen.setdefault(tuple(d.items()), d)
         return d
+
+    def values(self, values: list) -> list:
+        seen = self._seen
+        return [seen.setdefault(v, v) if type(v) is str else v for v in values]
 
 
 def _decode_column(meta: dict, cur: _Cursor, n: int, labels: dict | None = None):
@@ -693,7 +696,8 @@ def _decode_column(meta: dict, cur: _Cursor, n: int, labels: dict | None = None)
     if codec == "raw":
         return np.frombuffer(parts[0], dtype=np.dtype(meta["dtype"])).copy()
     if codec == "jsonlist":
-        return _objects(json.loads(parts[0], object_hook=_TextDicts().share))
+        shared = _Shared()
+        return _objects(shared.values(json.loads(parts[0], object_hook=shared.dict)))
     if codec == "bool":
         return np.frombuffer(parts[0], dtype=np.uint8).astype(bool)
     if codec == "int":
@@ -1506,22 +1510,11 @@ def _lazy_column(out: _ColumnOut, kept: list[_WindowBlock], starts: list[int], s
     return lambda: guard(make)
 
 
-def _flattened(block: tuple[int, dict], strings: dict[str, str]) -> tuple[int, dict]:
-    """A decoded fresh block made compact for a seal, which joins ~300 of them.
-
-    Dict columns are flattened (as Python dicts, a busy node's per-process counters would all
-    be alive at once: tens of MB), and each label decoded from a fresh block's JSON, a new
-    string per row, becomes the one string ``strings`` keeps for its text.
-    """
+def _flattened(block: tuple[int, dict]) -> tuple[int, dict]:
+    """A decoded fresh block with its dict columns flattened: a seal joins ~300 of them, and as
+    Python dicts a busy node's per-process counters would all be alive at once (tens of MB)."""
     n, columns = block
-    out = {}
-    for name, a in columns.items():
-        a = _flat_dicts(a)
-        if isinstance(a, np.ndarray) and a.dtype == object:
-            a = np.fromiter((strings.setdefault(v, v) if type(v) is str else v for v in a.tolist()),
-                            dtype=object, count=len(a))
-        out[name] = a
-    return n, out
+    return n, {name: _flat_dicts(a) for name, a in columns.items()}
 
 
 def _flat_dicts(a):
@@ -1648,8 +1641,9 @@ def _concat_columns(blocks: list[tuple[int, dict]]) -> tuple[int, dict]:
     for name in names:
         parts = [cols.pop(name, None) for _, cols in blocks]
         present = [p for p in parts if p is not None]
-        if all(isinstance(p, _DictColumn) for p in present) and _same_leaf_types(present):
-            out[name] = _DictColumn.concat(parts, sizes)
+        joined = _DictColumn.concat(parts, sizes) if all(isinstance(p, _DictColumn) for p in present) else None
+        if joined is not None:
+            out[name] = joined
             continue
         parts = [p.to_objects() if isinstance(p, _DictColumn) else p for p in parts]
         if any(p is not None and p.dtype.kind in "iuf" for p in parts):
@@ -1677,16 +1671,6 @@ def _concat_columns(blocks: list[tuple[int, dict]]) -> tuple[int, dict]:
                 pos += n
             out[name] = merged
     return total, out
-
-
-def _same_leaf_types(parts: list[_DictColumn]) -> bool:
-    """True when no leaf holds ints in one part and floats in another (joined, they would all be floats)."""
-    ints: dict[tuple, bool] = {}
-    for part in parts:
-        for path in part.leaves:
-            if ints.setdefault(path, path in part.int_paths) != (path in part.int_paths):
-                return False
-    return True
 
 
 def _uniform_node(columns: dict) -> str | None:
@@ -2178,9 +2162,7 @@ class Store:
             for _, members in sorted(groups.items()):
                 if seals >= MAX_SEALS_PER_FLUSH and not final:
                     break
-                strings: dict[str, str] = {}
-                n, columns = _concat_columns([_flattened(decode_block(data, raw=True), strings)
-                                              for _, data in members])
+                n, columns = _concat_columns([_flattened(decode_block(data, raw=True)) for _, data in members])
                 ts = columns["t"]
                 block = encode_block(columns, n, sealed=True)
                 conn.execute("BEGIN IMMEDIATE")

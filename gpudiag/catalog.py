@@ -56,6 +56,17 @@ def context_bucket(tokens) -> str | None:
     return CONTEXT_BUCKETS[-1]
 
 
+def request_context_bucket(row) -> str | None:
+    """A request row's ``context_bucket``: its own, else from its prompt and output tokens (None if unknown)."""
+    given = row.get("context_bucket")
+    if isinstance(given, str) and given:
+        return given
+    prompt, output = row.get("prompt_tokens"), row.get("output_tokens")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (prompt, output)):
+        return None
+    return context_bucket(prompt + output)  # NaN or negative: None
+
+
 @dataclass(frozen=True)
 class Metric:
     """One metric: what it is called, what it measures and in which unit."""

@@ -16,7 +16,7 @@ import pandas as pd
 
 from gpudiag.analyzers.common import counter_increase
 from gpudiag.analyzers.registry import run_all
-from gpudiag.catalog import CONTEXT_BUCKETS, M, context_bucket
+from gpudiag.catalog import CONTEXT_BUCKETS, M, request_context_bucket
 from gpudiag.findings import Finding, deep_clean
 from gpudiag.frames import Window
 from gpudiag.reference_engine.engine import SimEngine
@@ -82,10 +82,11 @@ def by_context(requests: pd.DataFrame) -> dict[str, dict[str, Any]]:
     The field's storm is in the decode of long sequences only; over all requests the short
     ones, many more, hide it. Percentiles are None in a bucket of fewer than MIN_BUCKET_REQUESTS.
     """
-    if requests.empty or "prompt_tokens" not in requests or "output_tokens" not in requests:
+    keys = [c for c in ("context_bucket", "prompt_tokens", "output_tokens") if c in requests]
+    if requests.empty or not keys:
         return {}
-    tokens = (requests["prompt_tokens"].to_numpy(float) + requests["output_tokens"].to_numpy(float)).tolist()
-    buckets = np.array([context_bucket(x) or "" for x in tokens], dtype=object)
+    rows = requests[keys].to_dict("records")
+    buckets = np.array([request_context_bucket(r) or "" for r in rows], dtype=object)
     out = {}
     for b in CONTEXT_BUCKETS:
         sel = buckets == b
