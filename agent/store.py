@@ -101,7 +101,7 @@ from gpudiag.frames import _factorize as _factorize_table_column
 
 log = logging.getLogger("gpudiag.agent.store")
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 DEFAULT_RETENTION_S = 7 * 86400.0
 DEFAULT_MAX_BYTES = 2 * 1024**3
 # Sealed chunks of 5 minutes: long enough that the per-entity first value of each
@@ -189,7 +189,7 @@ def _zstd_frames(block: bytes) -> tuple[dict, list[tuple[int, int]]]:
     if block[:4] != _ZSTD_MAGIC:
         raise ValueError("not a gpudiag frame block")
     (head_z,) = struct.unpack("<I", block[4:8])
-    header = json.loads(_decompress(memoryview(block)[8:8 + head_z]))
+    header = _expand_header(json.loads(_decompress(memoryview(block)[8:8 + head_z])))
     frames = []
     at = 8 + head_z
     for meta in ([header["order"]] if "order" in header else []) + header["columns"]:
@@ -217,7 +217,7 @@ def _inflate(block: bytes) -> tuple[dict, bytes]:
     if block[:4] == _ZLIB_MAGIC:
         (head_len,) = struct.unpack("<I", block[4:8])
         body = _ZlibBody(memoryview(block)[8:]).rest()
-        return json.loads(body[:head_len]), body[head_len:]
+        return _expand_header(json.loads(body[:head_len])), body[head_len:]
     header, frames = _zstd_frames(block)
     view = memoryview(block)
     return header, b"".join(_decompress(view[at:at + size]) for at, size in frames)
@@ -241,12 +241,16 @@ def _table(kind: str) -> str:
 #   int    int64: first differences divided by their greatest common divisor
 #          (counters, bytes in pages or MiB, pids); differences of both signs (gauges
 #          that go up and down) zigzag-mapped ("zz"), so small steps down stay small
-#          numbers instead of filling every high byte with 0xff
+#          numbers instead of filling every high byte with 0xff; or, where that compresses
+#          smaller (values that do not follow each other: one row per request), the values
+#          less their minimum ("ref"), divided by their greatest common divisor
 #   dec    float64 within a few ulps of k / 10**scale: the integers k (as int), the
 #          ulp residuals and a NaN bitmap (ratios from percent, watts from mW)
 #   xor    other float64: IEEE bits XOR the previous value's bits
 #   bool   uint8
-#   str    dictionary of strings + int32 codes (-1 = None)
+#   str    dictionary of strings + int32 codes (-1 = None); a long dictionary front-coded
+#          in the header ("front": each value as the length it shares with the one before
+#          and the rest)
 #   dict   dicts of numbers (the multi-label metrics): each row's key layout as a
 #          code into a list of layouts, each leaf a numeric column of its own
 #   json   dictionary of JSON texts + int32 codes (anything else)
@@ -305,7 +309,8 @@ def _narrow_zigzag(d: np.ndarray) -> np.ndarray:
 
 
 def _encode_ints(a: np.ndarray) -> tuple[dict, list[bytes]]:
-    d = _deltas(a.astype(np.int64, copy=False))
+    a = a.astype(np.int64, copy=False)
+    d = _deltas(a)
     g = int(np.gcd.reduce(d)) if len(d) else 1
     meta: dict[str, Any] = {"codec": "int"}
     if g > 1:
@@ -318,11 +323,53 @@ def _encode_ints(a: np.ndarray) -> tuple[dict, list[bytes]]:
         meta["zz"] = True
     else:
         d = _narrow(d)
+    ref = _frame_of_reference(a, d)
+    if ref is not None:
+        return ref
     meta["width"] = d.dtype.itemsize
     return meta, [_shuffle(d)]
 
 
+def _frame_of_reference(a: np.ndarray, steps: np.ndarray) -> tuple[dict, list[bytes]] | None:
+    """The values less their minimum ("ref"), when that is smaller than the steps ``steps`` stand for.
+
+    Steps suit counters and slow gauges; values that do not follow each other (a request's
+    token counts and latencies, one row per request) take about one bit more per value as
+    steps than as themselves, and a sign.
+    """
+    if len(a) < 2:
+        return None
+    lo, hi = int(a.min()), int(a.max())
+    if hi - lo > np.iinfo(np.int64).max:
+        return None
+    r = a - lo
+    g = int(np.gcd.reduce(r)) or 1
+    if g > 1:
+        r = r // g
+    u = next((r.astype(t) for t in _UWIDTHS if int(r.max()) <= np.iinfo(t).max), r.astype(np.uint64))
+    if u.dtype.itemsize > steps.dtype.itemsize:
+        return None
+    size = len(_compress(_shuffle(u), _LEVEL_SEALED))
+    if size >= REFERENCE_GAIN * len(_compress(_shuffle(steps), _LEVEL_SEALED)):
+        return None
+    meta: dict[str, Any] = {"codec": "int", "ref": lo, "width": u.dtype.itemsize}
+    if g > 1:
+        meta["gcd"] = g
+    return meta, [_shuffle(u)]
+
+
+# A frame of reference replaces steps only when it compresses to 3 % less: close calls keep the
+# steps, which most columns (counters, gauges) are better off with anyway.
+REFERENCE_GAIN = 0.97
+
+
 def _decode_ints(meta: dict, part: bytes, n: int) -> np.ndarray:
+    if "ref" in meta:
+        a = _unshuffle(part, np.dtype(f"<u{meta['width']}"), n).astype(np.int64)
+        if "gcd" in meta:
+            a *= meta["gcd"]
+        a += meta["ref"]
+        return a
     # Summed in int64 straight from the narrow deltas; the gcd multiplies the sums, which in
     # int64's wrapping arithmetic equals summing the multiplied deltas.
     if meta.get("zz"):
@@ -558,6 +605,41 @@ def _encode_column(a, *, sealed: bool) -> tuple[dict, list[bytes]]:
     return meta, parts
 
 
+# A dictionary of at least this many strings is front-coded in the header: per-request ids
+# ("req-3-1041-9f2c41d0", "chatcmpl-...") share long prefixes with the one before them,
+# which the compressor, seeing each id whole, pays for again in every row.
+FRONT_CODE_MIN_VALUES = 64
+
+
+def _front_code(values: list[str]) -> list:
+    """[shared prefix length with the previous value, rest of the value, ...] for every value, flat."""
+    out: list = []
+    prev = ""
+    for v in values:
+        n = len(os.path.commonprefix((prev, v)))
+        out += (n, v[n:])
+        prev = v
+    return out
+
+
+def _front_decode(coded: list) -> list[str]:
+    """The values :func:`_front_code` coded."""
+    values: list[str] = []
+    prev = ""
+    for i in range(0, len(coded), 2):
+        prev = prev[:coded[i]] + coded[i + 1]
+        values.append(prev)
+    return values
+
+
+def _expand_header(header: dict) -> dict:
+    """Give every front-coded string column its ``values`` back, so that readers see one layout."""
+    for meta in header["columns"]:
+        if "front" in meta:
+            meta["values"] = _front_decode(meta.pop("front"))
+    return header
+
+
 def _encode_plain(a: np.ndarray) -> tuple[dict, list[bytes]]:
     kind = a.dtype.kind
     if kind == "b":
@@ -572,7 +654,12 @@ def _encode_plain(a: np.ndarray) -> tuple[dict, list[bytes]]:
         return {"codec": "null"}, []
     if all(isinstance(u, str) for u in uniques):
         codes = _narrow(codes)
-        return {"codec": "str", "values": uniques, "width": codes.dtype.itemsize}, [_shuffle(codes)]
+        meta = {"codec": "str", "width": codes.dtype.itemsize}
+        if len(uniques) >= FRONT_CODE_MIN_VALUES:
+            meta["front"] = _front_code(uniques)
+        else:
+            meta["values"] = uniques
+        return meta, [_shuffle(codes)]
     codes, texts = _json_codes(a)
     codes = _narrow(codes)
     return {"codec": "json", "values": texts, "width": codes.dtype.itemsize}, [_shuffle(codes)]
@@ -889,7 +976,7 @@ class _WindowBlock:
             self.body = _ZlibBody(memoryview(block)[8:])
             (head_len,) = struct.unpack("<I", block[4:8])
             self._inflate_to(head_len)
-            header = json.loads(self.head[:head_len])
+            header = _expand_header(json.loads(self.head[:head_len]))
         else:
             header, frames = _zstd_frames(block)
             head_len = 0
@@ -1737,11 +1824,20 @@ def _migration_4_zigzag_ints(conn: sqlite3.Connection) -> None:
     pass
 
 
+def _migration_5_reference_ints(conn: sqlite3.Connection) -> None:
+    # Sealed chunks from now on may hold integer columns stored as values less their minimum
+    # ("ref") and front-coded string dictionaries ("front"): a gpudiag of schema 4 would read
+    # the first as steps, wrong numbers without noticing, so the version bump makes it refuse
+    # the store instead. Chunks already stored read as they are.
+    pass
+
+
 MIGRATIONS: tuple[tuple[int, str, Any], ...] = (
     (1, "initial", _migration_1_initial),
     (2, "findings_entity", _migration_2_findings_entity),
     (3, "zstd_chunks", _migration_3_zstd_chunks),
     (4, "zigzag_ints", _migration_4_zigzag_ints),
+    (5, "reference_ints", _migration_5_reference_ints),
 )
 assert MIGRATIONS[-1][0] == SCHEMA_VERSION
 

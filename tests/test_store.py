@@ -96,7 +96,8 @@ def test_a_new_store_runs_in_wal_mode_at_the_current_schema(tmp_path):
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     conn.close()
     assert meta["schema_version"] == SCHEMA_VERSION
-    assert [m["name"] for m in meta["migrations"]] == ["initial", "findings_entity", "zstd_chunks", "zigzag_ints"]
+    assert [m["name"] for m in meta["migrations"]] == ["initial", "findings_entity", "zstd_chunks", "zigzag_ints",
+                                                   "reference_ints"]
 
 
 def test_frames_read_back_exactly_as_appended_before_and_after_sealing(tmp_path):
@@ -265,6 +266,61 @@ def test_a_gauge_that_goes_up_and_down_costs_about_a_bit_per_value_more_than_a_c
     assert sizes["gauge"] <= sizes["counter"] + 1.1 * n / 8  # the sign of each step: one bit
 
 
+def test_values_that_do_not_follow_each_other_are_stored_as_themselves_not_as_steps(monkeypatch):
+    # One row per request: token counts and latencies of unrelated requests. As steps they take a
+    # sign and about a bit more per value than as values less their minimum.
+    from gpudiag.agent import store
+
+    rng = np.random.default_rng(7)
+    n = 5000
+    columns = {"t": T0 + np.arange(n, dtype=float), "gpu": np.zeros(n, dtype=np.int64),
+               "request_id": np.array([f"req-{i}" for i in range(n)], dtype=object),
+               "prompt_tokens": rng.integers(50, 4000, n),
+               M.request_queue_time_seconds: np.round(rng.exponential(0.02, n), 6)}
+    block = encode_block(columns, n)
+    got = decode_block(block)[1]
+    for name in ("prompt_tokens", M.request_queue_time_seconds):
+        assert np.array_equal(got[name], columns[name])
+    header = _header(block)
+    assert all("ref" in m for m in header["columns"] if m["name"] in ("prompt_tokens", M.request_queue_time_seconds))
+    assert "ref" not in next(m for m in header["columns"] if m["name"] == "t")  # time keeps its steps
+    monkeypatch.setattr(store, "REFERENCE_GAIN", 0.0)  # steps only, as before
+    as_steps = encode_block(columns, n)
+    for name in ("prompt_tokens", M.request_queue_time_seconds):
+        assert _column_bytes(block, name) <= 0.97 * _column_bytes(as_steps, name)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.text(max_size=12), min_size=70, max_size=200, unique=True), st.data())
+def test_a_long_dictionary_of_strings_is_front_coded_and_reads_back_exactly(values, data):
+    from gpudiag.agent.store import _window_table
+
+    n = len(values) + 5
+    picks = values + data.draw(st.lists(st.sampled_from(values), min_size=5, max_size=5))
+    ids = [None if i % 17 == 3 else v for i, v in enumerate(picks)]
+    columns = {"t": T0 + np.arange(n, dtype=float), "gpu": np.arange(n, dtype=np.int64) % 2,
+               "request_id": np.array(ids, dtype=object)}
+    block = encode_block(columns, n)
+    meta = next(m for m in _header(block, expand=False)["columns"] if m["name"] == "request_id")
+    assert "front" in meta and "values" not in meta
+    assert decode_block(block)[1]["request_id"].tolist() == ids
+    table = _window_table([block], T0 - 1, T0 + n, None)
+    codes, uniques = table.codes("request_id")  # as the window's readers see a label column
+    assert [uniques[c] if c >= 0 else None for c in codes.tolist()] == ids
+
+
+def _header(block: bytes, expand: bool = True) -> dict:
+    """A zstd block's header as stored (``expand=False``) or as readers see it."""
+    import struct
+
+    from gpudiag.agent.store import _decompress, _zstd_frames
+
+    if expand:
+        return _zstd_frames(block)[0]
+    (head_z,) = struct.unpack("<I", block[4:8])
+    return json.loads(_decompress(memoryview(block)[8:8 + head_z]))
+
+
 # A sealed block as schema 3 wrote it: integer steps in two's complement (gauges 40, 38, 41 MiB
 # on GPU 0 and 10, 12, 9 MiB on GPU 1; watts with steps down), no "zz" in its header.
 _SCHEMA_3_BLOCK = (
@@ -398,7 +454,8 @@ def test_a_schema_1_store_is_readable_and_migrated_on_the_first_write_open(tmp_p
     with Store.open(path) as store:
         meta = store.meta()
         assert meta["schema_version"] == SCHEMA_VERSION
-        assert [m["name"] for m in meta["migrations"]] == ["initial", "findings_entity", "zstd_chunks", "zigzag_ints"]
+        assert [m["name"] for m in meta["migrations"]] == ["initial", "findings_entity", "zstd_chunks", "zigzag_ints",
+                                                   "reference_ints"]
         assert len(store.window(-math.inf, math.inf).table("gpu")) == 20
         old = store.window(-math.inf, math.inf).table("gpu")
         assert [f["kind"] for f in store.findings(-math.inf, math.inf, gpu=1)] == ["cpu_starved"]
