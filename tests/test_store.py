@@ -309,6 +309,63 @@ def test_a_long_dictionary_of_strings_is_front_coded_and_reads_back_exactly(valu
     assert [uniques[c] if c >= 0 else None for c in codes.tolist()] == ids
 
 
+def _request_rows(n: int, seed: int, e2e_of) -> dict:
+    rng = np.random.default_rng(seed)
+    ttft, tpot = rng.lognormal(-2.5, 0.6, n), rng.lognormal(-3.2, 0.3, n)
+    tokens = rng.integers(1, 800, n)
+    return {"t": T0 + np.arange(n, dtype=float) // 10, "gpu": rng.integers(0, 8, n),
+            "request_id": np.array([f"req-{i}-{rng.integers(2**32):08x}" for i in range(n)], dtype=object),
+            "output_tokens": tokens, M.time_to_first_token_seconds: ttft, M.inter_token_latency_seconds: tpot,
+            M.e2e_request_latency_seconds: e2e_of(ttft, tpot, tokens, rng)}
+
+
+@pytest.mark.parametrize("e2e_of, small", [
+    (lambda ttft, tpot, n, rng: ttft + tpot * (n - 1), True),  # the sum itself
+    (lambda ttft, tpot, n, rng: ttft + tpot * (n - 1) + rng.normal(0, 2e-3, len(n)), False),  # an engine's clocks
+    (lambda ttft, tpot, n, rng: rng.lognormal(0, 1, len(n)), False),  # unrelated
+], ids=["sum", "clocks", "unrelated"])
+def test_a_requests_e2e_latency_is_stored_as_what_is_left_of_ttft_plus_tpot_per_token(e2e_of, small):
+    from gpudiag.agent.store import _window_table, decode_table
+
+    n = 4000
+    columns = _request_rows(n, 5, e2e_of)
+    want = {k: np.round(v, 6) if k in (M.time_to_first_token_seconds, M.inter_token_latency_seconds,
+                                         M.e2e_request_latency_seconds) else v for k, v in columns.items()}
+    block = encode_block(columns, n)
+    got = decode_block(block)[1]
+    table = decode_table(block)
+    window = _window_table([block], T0 - 1, T0 + n, None)
+    order = np.argsort(want["t"], kind="stable")  # a window is sorted by t
+    for name in (M.e2e_request_latency_seconds, M.time_to_first_token_seconds, "output_tokens"):
+        assert np.array_equal(got[name], want[name]), name
+        assert np.array_equal(table.columns[name], want[name]), name
+        assert np.array_equal(window.columns[name], want[name][order]), name
+    e2e = next(m for m in _header(block)["columns"] if m["name"] == M.e2e_request_latency_seconds)
+    assert e2e.get("of") == [M.time_to_first_token_seconds, M.inter_token_latency_seconds, "output_tokens"]
+    if small:
+        # The sum costs what rounding TPOT to the microsecond leaves (up to half a microsecond a token):
+        # about half of a latency of its own, where alone it costs more than TTFT.
+        assert _column_bytes(block, M.e2e_request_latency_seconds) < 0.6 * _column_bytes(
+            block, M.time_to_first_token_seconds)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_a_column_stored_against_others_reads_back_exactly_whatever_they_hold(data):
+    n = data.draw(st.integers(1, 30))
+    anything = st.one_of(st.floats(width=64), st.integers(-10**6, 10**6).map(lambda k: k / 1000))
+    columns = {"t": T0 + np.arange(n, dtype=float), "request_id": np.array([f"r{i}" for i in range(n)], dtype=object)}
+    for name in (M.time_to_first_token_seconds, M.inter_token_latency_seconds, M.e2e_request_latency_seconds):
+        columns[name] = np.array(data.draw(st.lists(anything, min_size=n, max_size=n)), dtype=np.float64)
+    columns["output_tokens"] = np.array(data.draw(st.lists(st.integers(-2**62, 2**62), min_size=n, max_size=n)))
+    with np.errstate(over="ignore", invalid="ignore"):  # rounding 1e308 to the microsecond
+        block = encode_block(columns, n)
+        got = decode_block(block)[1]
+        rounded = {k: np.round(v, 6) if v.dtype.kind == "f" and k != "t" else v for k, v in columns.items()}
+    for name, want in rounded.items():
+        assert np.array_equal(got[name], want, equal_nan=want.dtype.kind == "f"), name
+
+
 def _header(block: bytes, expand: bool = True) -> dict:
     """A zstd block's header as stored (``expand=False``) or as readers see it."""
     import struct
