@@ -34,6 +34,9 @@ from gpudiag.reference_engine.kv_manager import KVManager
 from gpudiag.reference_engine.sequence import Sequence, Status
 
 POLICIES = ("lru", "priority")
+# How far into the waiting queue admission looks: far enough for every realistic queue of
+# sequences known not to fit, bounded so that a step's cost does not grow with a runaway queue.
+ADMISSION_SCAN = 1024
 BATCHING = ("fcfs", "memory-aware")
 
 
@@ -48,6 +51,10 @@ class SchedulerConfig:
     memory_watermark: float = 0.9
     long_seq_tokens: int = 2048
     max_long_seqs: int = 16
+    # Allocation attempts past a head of the queue that cannot get KV memory, per prefill. A
+    # sequence already known not to fit (see the failure floor) is passed over without an
+    # attempt and does not count: however many long recomputes wait at the head, short
+    # requests behind them are still admitted while memory allows.
     admission_lookahead: int = 16
 
     def validate(self) -> None:
@@ -100,14 +107,14 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _candidates(self):
-        return itertools.islice(self.waiting, self.cfg.admission_lookahead + 1)
+        return itertools.islice(self.waiting, ADMISSION_SCAN)
 
     def _worth_trying(self, seq: Sequence) -> bool:
         return self.kv.estimate_bytes(seq.num_tokens + 1) < self._fail_floor_bytes
 
     @property
     def admission_blocked(self) -> bool:
-        """True while requests wait and none near the head of the queue could get KV memory.
+        """True while requests wait and none of the first ADMISSION_SCAN could get KV memory.
 
         An empty queue is not blocked: the next arrival may be admitted at once.
         """
@@ -134,15 +141,18 @@ class Scheduler:
         """Admit waiting sequences into one prefill step; [] when none can be admitted.
 
         When the sequence at the head cannot get KV memory, up to
-        ``admission_lookahead`` sequences behind it are tried, so one large
-        recompute does not block every short request behind it.
+        ``admission_lookahead`` allocation attempts are made behind it, so one
+        large recompute does not block every short request behind it; those
+        known not to fit are passed over without an attempt (up to
+        ADMISSION_SCAN in all).
         """
         batch: list[Sequence] = []
         tokens = 0
         skipped: list[Sequence] = []
+        attempts_failed = 0
         self.kv.now = now
         while self.waiting and len(self.running) + len(batch) < self.cfg.max_num_seqs \
-                and len(skipped) <= self.cfg.admission_lookahead:
+                and attempts_failed <= self.cfg.admission_lookahead and len(skipped) < ADMISSION_SCAN:
             seq = self.waiting[0]
             n = seq.num_tokens
             if batch and tokens + n > self.cfg.max_num_batched_tokens:
@@ -158,6 +168,7 @@ class Scheduler:
                 self._fail_floor_bytes = min(self._fail_floor_bytes, failed)
                 self._freed_since_fail = 0
                 skipped.append(self.waiting.popleft())
+                attempts_failed += 1
                 continue
             self.waiting.popleft()
             if seq.first_scheduled_s is None:

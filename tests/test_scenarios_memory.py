@@ -147,7 +147,8 @@ def test_paged_or_chunked_kv_or_expandable_segments_remove_the_failures_and_give
     t, bt = doc["totals"], base["totals"]
     assert t["alloc_failures"] <= bt["alloc_failures"] / 100 and t["num_ooms"] <= bt["num_ooms"] / 100
     assert t["evictions"] <= bt["evictions"] / 100 and bt["evictions"] > 0
-    assert doc["slo"]["ttft_p99_s"] <= 0.25 * base["slo"]["ttft_p99_s"]
+    # Unfixed, the requests behind allocations that fail wait for memory; fixed, they do not.
+    assert doc["slo"]["ttft_p99_s"] <= base["slo"]["ttft_p99_s"] / 3
     assert doc["slo"]["tpot_p99_s"] <= 0.5 * base["slo"]["tpot_p99_s"]
     assert doc["totals"]["unfinished"] < base["totals"]["unfinished"]
     assert not [f for f in res.findings if f.severity.value == "critical"], fix
