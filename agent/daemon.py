@@ -735,11 +735,11 @@ class Agent:
 
     def analyze_once(self) -> list[Finding]:
         """Run every analyzer over the in-memory window once; log, store and export what changed."""
-        from gpudiag.analyzers.registry import run_all
+        from gpudiag.analyzers.registry import run_streaming
 
         started, started_cpu = time.perf_counter(), time.thread_time()
         win = self.window.window(self.node)
-        findings = run_all(win) if win.tables else []
+        findings = run_streaming(win, {rec.key[0] for rec in self.findings.open.values()}) if win.tables else []
         opened, updated, resolved = self.findings.reconcile(findings, win.end_s, win.start_s)
         self.analysis_seconds = time.perf_counter() - started
         self.analyses += 1

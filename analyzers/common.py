@@ -344,6 +344,48 @@ def subset(df: pd.DataFrame | Rows, key: dict, cols=("node", "gpu")):
     return df
 
 
+def only_zeros(window, kind: str, column: str) -> bool:
+    """Whether every row of ``kind`` holds 0 or nothing in ``column`` (an absent column holds nothing).
+
+    For the analyzers' ``may_find`` tests: False whenever it cannot tell (values that are not numbers).
+    """
+    if not window.has(kind, column):
+        return True
+    try:
+        v = window.rows(kind)[column].to_numpy(float)
+    except (TypeError, ValueError):
+        return False
+    return not bool(np.any(v[~np.isnan(v)]))
+
+
+def constant_per_entity(window, kind: str, keys: tuple[str, ...], column: str) -> bool:
+    """Whether ``column`` of ``kind`` holds one value per entity (missing values aside) over the window.
+
+    A counter that never changes within an entity has no increase and no rate; the
+    analyzers' ``may_find`` tests use it. False whenever it cannot tell.
+    """
+    if not window.has(kind, column):
+        return True
+    table = window.columns(kind)
+    present = tuple(k for k in keys if k in table.columns)  # as per_entity groups
+    try:
+        if present:
+            got = table.entity_column(present, column)
+            if got is None:
+                return False
+            values, starts = got
+            at = np.asarray(starts[:-1], dtype=np.int64)
+        else:
+            values, at = window.rows(kind)[column].to_numpy(float), np.zeros(1, dtype=np.int64)
+        values = np.asarray(values, dtype=float)
+    except (TypeError, ValueError):
+        return False
+    if not values.size:
+        return True
+    lo, hi = np.fmin.reduceat(values, at), np.fmax.reduceat(values, at)
+    return not bool(np.any(hi > lo))  # an entity with nothing but NaN gives NaN, which is no change
+
+
 def _isnan(v) -> bool:
     return isinstance(v, float) and np.isnan(v)
 

@@ -37,7 +37,7 @@ from gpudiag.catalog import M
 from gpudiag.findings import Evidence, Finding, Severity, alert_name
 from gpudiag.frames import Rows, Table, Window
 
-from .common import by_time, episodes, per_entity, percentile, rolling_std, windowed_rate
+from .common import by_time, constant_per_entity, episodes, per_entity, percentile, rolling_std, windowed_rate
 
 KIND = "kv_eviction_storm"
 
@@ -120,6 +120,21 @@ def analyze(window: Window) -> list[Finding]:
                 details={"evictions": n_ev, "tpot_p99_ratio": ratio, "kv_token_fill_ratio": _fill(e, sel)},
             ))
     return findings
+
+
+def may_find(window: Window) -> bool:
+    """False only when :func:`analyze` is sure to find nothing in ``window``: no engine's eviction counter moved.
+
+    A counter that holds one value per GPU (missing samples aside) has no increase, so no
+    eviction rate above zero; the agent's streaming analysis skips the analyzer then.
+    """
+    if window.rows("engine").empty:
+        return False
+    evict_col = M.engine_kv_evictions_total if window.has("engine", M.engine_kv_evictions_total) \
+        else M.num_preemptions_total
+    if not window.has("engine", evict_col):
+        return False
+    return not constant_per_entity(window, "engine", ("node", "gpu"), evict_col)
 
 
 def _fill(e, sel):

@@ -89,6 +89,8 @@ def analyze(window: Window, baseline: dict[str, dict[str, float]] | None = None)
                 if counts[hi] - counts[lo] < MIN_REQUESTS:
                     continue
                 sel = slice(lo, hi)
+                if hi > lo and p99[sel].max() < P99_RATIO_THRESHOLD * base["p99"]:
+                    continue  # the bucket's P99 (or median interval P99) is at most its largest value
                 q99, q50 = _quantiles(p99[sel], None if p50 is None else p50[sel])
                 if q99 >= P99_RATIO_THRESHOLD * base["p99"]:
                     regressed.setdefault(metric, []).append((a, b, q99, q50, base))
