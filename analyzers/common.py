@@ -344,6 +344,40 @@ def subset(df: pd.DataFrame | Rows, key: dict, cols=("node", "gpu")):
     return df
 
 
+def steady_per_entity(rows, keys: tuple[str, ...], columns: tuple[str, ...]) -> np.ndarray | None:
+    """Per entity of ``per_entity(rows, keys)``, True when each of ``columns`` holds one whole number
+    throughout (missing values aside; an absent or empty column counts), small enough that sums of it
+    over the entity's samples are exact.
+
+    Such a series, or a sum of such series, has an exact mean equal to its value, so a
+    least-squares trend of it is exactly flat (:func:`linear_trend` gives slope 0). One
+    reduction over the whole table tells it for every entity at once. None when not
+    answerable so (rows that are not the whole table, a column kept other than as numbers).
+    """
+    present = tuple(k for k in keys if k in rows)
+    if not isinstance(rows, Rows) or not present:
+        return None
+    steady = None
+    for name in columns:
+        got = rows.entity_column(present, name)
+        if got is None:
+            if name in rows:
+                return None
+            continue  # absent: never moves
+        values, starts = got
+        if values.dtype.kind not in "fiub":
+            return None
+        v = values.astype(float, copy=False)
+        lo, hi = np.fmin.reduceat(v, starts[:-1]), np.fmax.reduceat(v, starts[:-1])
+        n = np.diff(starts)
+        with np.errstate(invalid="ignore"):
+            # Twice the room: two such columns may be added before the trend is taken.
+            whole = (lo == hi) & (lo == np.round(lo)) & (2 * np.abs(lo) * n < 2.0**53)
+        ok = whole | np.isnan(lo)
+        steady = ok if steady is None else steady & ok
+    return steady
+
+
 def only_zeros(window, kind: str, column: str) -> bool:
     """Whether every row of ``kind`` holds 0 or nothing in ``column`` (an absent column holds nothing).
 

@@ -10,6 +10,7 @@ finds something.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from gpudiag.agent.daemon import FindingLog, SlidingWindow
@@ -93,3 +94,32 @@ def test_an_analyzer_with_an_open_finding_runs_even_when_its_test_rules_findings
     assert calls == ["memory_fragmentation"]
     _, _, resolved = log.reconcile(found, w.end_s, w.start_s)
     assert [r.finding.kind for r in resolved] == ["memory_fragmentation"] and not log.open
+
+
+def test_processes_whose_memory_never_moves_are_told_apart_at_once_and_forecast_the_same(monkeypatch):
+    from gpudiag.analyzers import common, oom_forecast
+
+    win = SlidingWindow(900.0)
+    gib, mib = 1024**3, 1024**2
+    for t in range(1, 901):
+        rows = [{"node": "n", "gpu": 0, "pid": 100 + j, M.process_gpu_memory_bytes: (900 + 2 * j) * mib}
+                for j in range(20)]
+        rows.append({"node": "n", "gpu": 0, "pid": 99, M.process_gpu_memory_bytes: 10 * gib + 40 * mib * t})
+        win.add([Frame("process", float(t), rows),
+                 Frame("gpu", float(t), [{"node": "n", "gpu": 0, M.gpu_memory_total_bytes: 80 * gib,
+                                          M.gpu_memory_used_bytes: 30 * gib + 40 * mib * t}])])
+    w = win.window("n")
+    judged = []
+    real = oom_forecast.rising_slope
+    monkeypatch.setattr(oom_forecast, "rising_slope", lambda t, y: judged.append(float(y[0])) or real(t, y))
+    found = oom_forecast.analyze(w)
+    assert [f.pid for f in found] == [99]
+    assert judged == [10 * gib + 40 * mib]  # the twenty flat processes were not read one by one
+    judged.clear()
+    monkeypatch.setattr(oom_forecast, "steady_per_entity", lambda *a: None)
+    assert [f.to_dict() for f in oom_forecast.analyze(win.window("n"))] == [f.to_dict() for f in found]
+    assert len(judged) == 21
+    # What makes skipping them exact: a whole-number series that never moves has a trend of exactly 0.
+    t = np.arange(900.0) + 1.767e9
+    for value in (0.0, 900 * mib, 79 * gib + 7):
+        assert common.linear_trend(t, np.full(900, value))[0] == 0.0
