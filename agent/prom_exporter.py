@@ -99,6 +99,24 @@ def _label_value(v) -> str:
     return str(v)
 
 
+# Request rows come in a handful of shapes (one per engine and probe): which of their keys are
+# histograms is worked out once per shape instead of a catalog lookup per key per row.
+_MAX_PLANS = 256
+
+
+def _histogram_plan(keys: tuple[str, ...]) -> list[tuple[str, CatalogMetric, CatalogMetric | None]]:
+    """(key, histogram metric, its by-context metric when the row lacks that) for each histogram key."""
+    plan = []
+    for key in keys:
+        metric = CATALOG.get(key)
+        if metric is None or metric.type != HISTOGRAM:
+            continue
+        by_context = BY_CONTEXT.get(key)
+        plan.append((key, metric, CATALOG[by_context] if by_context is not None and by_context not in keys
+                     else None))
+    return plan
+
+
 class _Histogram:
     """Cumulative buckets, sum and count of observations (one label set of one metric)."""
 
@@ -151,6 +169,7 @@ class LatestFrames:
         self._agent_rows: list[dict[str, Any]] = []
         self._findings: list[dict[str, Any]] = []
         self._histograms: dict[str, dict[tuple[str, ...], _Histogram]] = {}
+        self._plans: dict[tuple[str, ...], list] = {}  # a request row's keys -> its histogram columns
         self._listeners: list = []
 
     def update(self, frames: Iterable[Frame]) -> None:
@@ -172,18 +191,33 @@ class LatestFrames:
             listener(frames)
 
     def _observe(self, row: dict[str, Any]) -> None:
+        keys = tuple(row)
+        plan = self._plans.get(keys)
+        if plan is None:
+            if len(self._plans) >= _MAX_PLANS:  # rows of ever new shapes: start over rather than grow
+                self._plans.clear()
+            plan = self._plans[keys] = _histogram_plan(keys)
+        if not plan:
+            return
         bucket = request_context_bucket(row)
-        for key, value in row.items():
-            metric = CATALOG.get(key)
-            if metric is None or metric.type != HISTOGRAM or not _is_number(value):
+        seen: dict[tuple, tuple[str, ...]] = {}  # the row's label values, per set of label names
+        for key, metric, by_context in plan:
+            value = row[key]
+            if not _is_number(value):
                 continue
-            self._observe_one(metric, row, float(value))
-            by_context = BY_CONTEXT.get(key)
-            if by_context is not None and bucket is not None and by_context not in row:
-                self._observe_one(CATALOG[by_context], {**row, "context_bucket": bucket}, float(value))
+            self._observe_one(metric, self._labels(row, metric.labels, None, seen), float(value))
+            if by_context is not None and bucket is not None:
+                self._observe_one(by_context, self._labels(row, by_context.labels, bucket, seen), float(value))
 
-    def _observe_one(self, metric: CatalogMetric, row: dict[str, Any], value: float) -> None:
-        labels = tuple(_label_value(self._label(row, name)) for name in metric.labels)
+    def _labels(self, row: dict[str, Any], names: tuple[str, ...], bucket: str | None, seen: dict
+                ) -> tuple[str, ...]:
+        got = seen.get((names, bucket))
+        if got is None:
+            got = seen[(names, bucket)] = tuple(_label_value(bucket if bucket is not None and name == "context_bucket"
+                                                             else self._label(row, name)) for name in names)
+        return got
+
+    def _observe_one(self, metric: CatalogMetric, labels: tuple[str, ...], value: float) -> None:
         per_metric = self._histograms.setdefault(metric.column, {})
         hist = per_metric.get(labels)
         if hist is None:

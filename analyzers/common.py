@@ -344,6 +344,82 @@ def subset(df: pd.DataFrame | Rows, key: dict, cols=("node", "gpu")):
     return df
 
 
+def steady_per_entity(rows, keys: tuple[str, ...], columns: tuple[str, ...]) -> np.ndarray | None:
+    """Per entity of ``per_entity(rows, keys)``, True when each of ``columns`` holds one whole number
+    throughout (missing values aside; an absent or empty column counts), small enough that sums of it
+    over the entity's samples are exact.
+
+    Such a series, or a sum of such series, has an exact mean equal to its value, so a
+    least-squares trend of it is exactly flat (:func:`linear_trend` gives slope 0). One
+    reduction over the whole table tells it for every entity at once. None when not
+    answerable so (rows that are not the whole table, a column kept other than as numbers).
+    """
+    present = tuple(k for k in keys if k in rows)
+    if not isinstance(rows, Rows) or not present:
+        return None
+    steady = None
+    for name in columns:
+        got = rows.entity_column(present, name)
+        if got is None:
+            if name in rows:
+                return None
+            continue  # absent: never moves
+        values, starts = got
+        if values.dtype.kind not in "fiub":
+            return None
+        v = values.astype(float, copy=False)
+        lo, hi = np.fmin.reduceat(v, starts[:-1]), np.fmax.reduceat(v, starts[:-1])
+        n = np.diff(starts)
+        with np.errstate(invalid="ignore"):
+            # Twice the room: two such columns may be added before the trend is taken.
+            whole = (lo == hi) & (lo == np.round(lo)) & (2 * np.abs(lo) * n < 2.0**53)
+        ok = whole | np.isnan(lo)
+        steady = ok if steady is None else steady & ok
+    return steady
+
+
+def only_zeros(window, kind: str, column: str) -> bool:
+    """Whether every row of ``kind`` holds 0 or nothing in ``column`` (an absent column holds nothing).
+
+    For the analyzers' ``may_find`` tests: False whenever it cannot tell (values that are not numbers).
+    """
+    if not window.has(kind, column):
+        return True
+    try:
+        v = window.rows(kind)[column].to_numpy(float)
+    except (TypeError, ValueError):
+        return False
+    return not bool(np.any(v[~np.isnan(v)]))
+
+
+def constant_per_entity(window, kind: str, keys: tuple[str, ...], column: str) -> bool:
+    """Whether ``column`` of ``kind`` holds one value per entity (missing values aside) over the window.
+
+    A counter that never changes within an entity has no increase and no rate; the
+    analyzers' ``may_find`` tests use it. False whenever it cannot tell.
+    """
+    if not window.has(kind, column):
+        return True
+    table = window.columns(kind)
+    present = tuple(k for k in keys if k in table.columns)  # as per_entity groups
+    try:
+        if present:
+            got = table.entity_column(present, column)
+            if got is None:
+                return False
+            values, starts = got
+            at = np.asarray(starts[:-1], dtype=np.int64)
+        else:
+            values, at = window.rows(kind)[column].to_numpy(float), np.zeros(1, dtype=np.int64)
+        values = np.asarray(values, dtype=float)
+    except (TypeError, ValueError):
+        return False
+    if not values.size:
+        return True
+    lo, hi = np.fmin.reduceat(values, at), np.fmax.reduceat(values, at)
+    return not bool(np.any(hi > lo))  # an entity with nothing but NaN gives NaN, which is no change
+
+
 def _isnan(v) -> bool:
     return isinstance(v, float) and np.isnan(v)
 

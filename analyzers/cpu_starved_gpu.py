@@ -88,6 +88,22 @@ def analyze(window: Window) -> list[Finding]:
     return findings
 
 
+def may_find(window: Window) -> bool:
+    """False only when :func:`analyze` is sure to find nothing in ``window``: no GPU sample is low.
+
+    A trailing mean of utilization at most LOW_UTILIZATION_RATIO needs a sample at most
+    that (unread samples count as busy, as in analyze), give or take the rounding of the
+    running sums the mean is made from, which the bound allows for. A busy node's GPUs
+    never get there; the agent's streaming analysis skips the analyzer then.
+    """
+    gpu = window.rows("gpu")
+    if gpu.empty or window.rows("process").empty or not window.has("gpu", M.gpu_utilization_ratio):
+        return False
+    x = np.nan_to_num(gpu[M.gpu_utilization_ratio].to_numpy(float), nan=1.0)
+    rounding = 4 * x.size * np.finfo(float).eps * float(np.abs(x).sum())
+    return bool(x.min() <= LOW_UTILIZATION_RATIO + rounding)
+
+
 def _finding(gkey, pkey, p, t, start, end, util, busy, runq, offcpu, load) -> Finding:
     sel = (t >= start) & (t <= end)
     u = float(np.nanmean(util[sel]))

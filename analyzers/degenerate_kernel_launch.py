@@ -75,6 +75,14 @@ def analyze(window: Window) -> list[Finding]:
     return findings
 
 
+def may_find(window: Window) -> bool:
+    """False only when :func:`analyze` is sure to find nothing in ``window``: no row has grid sizes or a
+    degenerate-launch count (the always-on eBPF probes do not hook launches); the agent's streaming
+    analysis skips the analyzer then."""
+    return window.has("cuda_api", M.cuda_function_grid_blocks) \
+        or window.has("cuda_api", M.cuda_degenerate_launches_total)
+
+
 def _function_finding(key, f, gpu_of) -> Finding | None:
     if M.cuda_function_grid_blocks not in f or f[M.cuda_function_grid_blocks].isna().all():
         return None

@@ -82,13 +82,16 @@ def analyze(window: Window, baseline: dict[str, dict[str, float]] | None = None)
             base = (baseline or {}).get(metric) or _base(t, p99, p50, weight, base_end)
             if base is None or not base["p99"] or base["p99"] <= 0:
                 continue
-            # t is sorted: each bucket [a, b) is a slice, and its weight a difference of running sums.
+            # t is sorted: each bucket [a, b) is a slice, and its weight a difference of running sums
+            # (its length, for requests: one each).
             cuts = np.searchsorted(t, edges, side="left").tolist()
-            counts = np.concatenate([[0.0], np.cumsum(weight)])
+            counts = None if weight is None else np.concatenate([[0.0], np.cumsum(weight)])
             for a, b, lo, hi in zip(edges[:-1], edges[1:], cuts[:-1], cuts[1:]):
-                if counts[hi] - counts[lo] < MIN_REQUESTS:
+                if (hi - lo if counts is None else counts[hi] - counts[lo]) < MIN_REQUESTS:
                     continue
                 sel = slice(lo, hi)
+                if hi > lo and p99[sel].max() < P99_RATIO_THRESHOLD * base["p99"]:
+                    continue  # the bucket's P99 (or median interval P99) is at most its largest value
                 q99, q50 = _quantiles(p99[sel], None if p50 is None else p50[sel])
                 if q99 >= P99_RATIO_THRESHOLD * base["p99"]:
                     regressed.setdefault(metric, []).append((a, b, q99, q50, base))
@@ -144,7 +147,7 @@ _SHORT = {M.time_to_first_token_seconds: "TTFT", M.inter_token_latency_seconds: 
 
 def _base(t, p99, p50, weight, base_end):
     sel = t < base_end
-    if weight[sel].sum() < MIN_REQUESTS:
+    if (np.count_nonzero(sel) if weight is None else weight[sel].sum()) < MIN_REQUESTS:
         return None
     q99, q50 = _quantiles(p99[sel], None if p50 is None else p50[sel])
     return {"p99": q99, "p50": q50}
@@ -158,7 +161,7 @@ def _quantiles(values, interval_p50):
 
 
 def _samples(window: Window) -> dict:
-    """{entity key: {metric: (t, values-or-interval-p99, interval-p50 or None, weight)}}."""
+    """{entity key: {metric: (t, values-or-interval-p99, interval-p50 or None, weight or None: one each)}}."""
     out: dict = {}
     req = window.rows("request")
     if not req.empty and any(c in req for c in LATENCIES):
@@ -168,7 +171,11 @@ def _samples(window: Window) -> dict:
                 if metric in r and r[metric].notna().any():
                     v = r[metric].to_numpy(float)
                     ok = ~np.isnan(v)
-                    out.setdefault(_k(key), {})[metric] = (t[ok], v[ok], None, np.ones(int(ok.sum())))
+                    if not ok.all():  # read only from here on: kept as they are when every request has it
+                        t_ok, v = t[ok], v[ok]
+                    else:
+                        t_ok = t
+                    out.setdefault(_k(key), {})[metric] = (t_ok, v, None, None)
         return {k: v for k, v in out.items() if v}
     eng = window.rows("engine")
     for key, e in per_entity(eng, ["node", "gpu"]):

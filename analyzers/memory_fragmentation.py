@@ -21,7 +21,7 @@ from gpudiag.catalog import M
 from gpudiag.findings import Evidence, Finding, Severity, alert_name
 from gpudiag.frames import Window
 
-from .common import episodes, per_entity
+from .common import episodes, only_zeros, per_entity
 
 KIND = "memory_fragmentation"
 
@@ -88,6 +88,24 @@ def analyze(window: Window) -> list[Finding]:
                 details={"failures_with_free_memory": n_fail},
             ))
     return findings
+
+
+def may_find(window: Window) -> bool:
+    """False only when :func:`analyze` is sure to find nothing in ``window``: no allocation failure shows in it.
+
+    A failure is a sample whose failure counter (the engine's, else the allocator's OOMs)
+    is above the sample before it (the first counts from 0), so counters that hold 0 or
+    nothing throughout rule every finding out. The agent's streaming analysis skips the
+    analyzer then; a healthy node's counters stay at 0.
+    """
+    if window.rows("process").empty or not window.has("process", M.process_torch_reserved_bytes) \
+            or not window.has("process", M.process_torch_largest_free_block_bytes):
+        return False
+    eng = window.rows("engine")
+    if M.engine_kv_failed_request_bytes in eng and M.engine_kv_alloc_failures_total not in eng:
+        return True  # analyze reads the engine's failures as it finds them
+    return not (only_zeros(window, "engine", M.engine_kv_alloc_failures_total)
+                and only_zeros(window, "process", M.process_torch_ooms_total))
 
 
 def _failures(p, eng, key, t, engine_series: dict):

@@ -39,7 +39,7 @@ from gpudiag.findings import Evidence, Finding, Severity, alert_name
 from gpudiag.frames import Window
 from gpudiag.units import fmt_bytes, fmt_seconds
 
-from .common import label_int, linear_trend, per_entity, subset
+from .common import label_int, linear_trend, per_entity, steady_per_entity, subset
 
 KIND = "oom_forecast"
 
@@ -79,7 +79,11 @@ def analyze(window: Window) -> list[Finding]:
     with_split = reported and window.has("process", M.process_torch_allocated_bytes) \
         and window.has("process", M.process_torch_inactive_split_bytes)
     findings = []
-    for key, p in per_entity(proc, ["node", "gpu", "pid"]):
+    # Every series a process's held memory is taken from; when all of them hold one value, it has no trend.
+    steady = steady_per_entity(proc, ("node", "gpu", "pid"), _HELD_COLUMNS)
+    for g, (key, p) in enumerate(per_entity(proc, ["node", "gpu", "pid"])):
+        if steady is not None and steady[g]:
+            continue  # flat memory: rising_slope would find slope 0 (told for every process at once)
         t = p["t"].to_numpy(float)
         # Each process by its own view: the allocator's where its reporter runs, else the driver's
         # (a process without one shares the GPU with those that have it).
@@ -136,6 +140,10 @@ def analyze(window: Window) -> list[Finding]:
                      "growth_bytes_per_second": slope, "headroom_bytes": headroom, "releasable_bytes": releasable},
         ))
     return findings
+
+
+_HELD_COLUMNS = (M.process_torch_reserved_bytes, M.process_torch_allocated_bytes,
+                 M.process_torch_inactive_split_bytes, M.process_gpu_memory_bytes)
 
 
 def rising_slope(t: np.ndarray, y: np.ndarray) -> float | None:

@@ -351,6 +351,27 @@ def test_a_finding_keeps_its_id_while_the_window_slides_and_resolves_when_its_ev
     assert not opened and not log.active()
 
 
+def test_the_analyzer_sleeps_until_frames_make_an_analysis_due():
+    win = SlidingWindow(300)
+    assert win.wait_for(None, 10.0, 0.01) is None  # no frame yet: it waited, nothing to analyze
+    win.add([Frame("gpu", 100.0, [{"gpu": 0}])])
+    assert win.wait_for(None, 10.0, 60.0) == 100.0  # the first frame is due at once
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(win.wait_for(100.0, 10.0, 60.0)))
+    waiter.start()
+    win.add([Frame("gpu", 105.0, [{"gpu": 0}])])  # not due yet: the waiter sleeps on
+    waiter.join(0.2)
+    assert waiter.is_alive() and not got
+    win.add([Frame("gpu", 110.0, [{"gpu": 0}])])
+    waiter.join(30)
+    assert got == [110.0]
+    waiter = threading.Thread(target=lambda: got.append(win.wait_for(110.0, 10.0, 60.0)))
+    waiter.start()
+    win.wake()  # the agent stops
+    waiter.join(30)
+    assert not waiter.is_alive() and got[-1] == 110.0
+
+
 def test_the_sliding_window_holds_only_its_span_and_every_sample():
     win = SlidingWindow(300)
     for t in range(1, 1001):

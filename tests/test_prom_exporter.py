@@ -193,6 +193,24 @@ def test_in_engine_dialect_mode_finished_requests_fill_the_latency_histograms(se
     assert samples_of(scrape(served(latest).url)[1])[ttft + "_count"][labels] == 4  # cumulative
 
 
+def test_request_rows_of_changing_shapes_are_observed_each_by_its_own_shape():
+    ttft, by_ctx = M.time_to_first_token_seconds, M.request_time_to_first_token_seconds
+    base = {"node": "node-a", "gpu": 0, "engine": "vllm"}
+    latest = LatestFrames(node="node-a")
+    latest.update([Frame("request", T, [
+        {**base, ttft: 0.02, "prompt_tokens": 100, "output_tokens": 20},  # by context from its tokens
+        {**base, ttft: 0.03},  # no tokens: no context bucket
+        {**base, ttft: 0.04, by_ctx: 0.04, "context_bucket": "given"},  # its own by-context value: not doubled
+        {**base, ttft: 0.05, "prompt_tokens": 100, "output_tokens": 20},  # the first shape again
+        {**base, ttft: None, "prompt_tokens": 100, "output_tokens": 20},  # not a number: not observed
+    ])])
+    hist = latest.snapshot().histograms
+    assert sum(h[0][-1][1] for h in hist[ttft].values()) == 4
+    by_bucket = {labels: h[0][-1][1] for labels, h in hist[by_ctx].items()}
+    assert sorted(by_bucket.values()) == [1.0, 2.0]
+    assert any("given" in labels for labels in by_bucket) and sum(by_bucket.values()) == 3
+
+
 def test_the_next_tick_replaces_the_last_so_an_exited_process_disappears(served):
     latest = LatestFrames(node="node-a")
     latest.update(small_node(processes=2))

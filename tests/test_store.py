@@ -854,3 +854,51 @@ def test_a_read_only_store_is_logged_once_counted_and_never_raises(existing):
     finally:
         os.chmod(directory, 0o755)
         shutil.rmtree(directory, ignore_errors=True)
+
+
+# A seal flattens ~300 x 128 dicts of one shape per column (a counter by kind per process):
+# one leaf at a time, which must give exactly what flattening row by row gives, for any column.
+_leaf = st.one_of(st.integers(-10, 10), st.integers(2**53 - 2, 2**53 + 2), st.floats(allow_nan=True),
+                  st.booleans(), st.none(), st.just("x"), st.just({"n": 1}), st.just({}),
+                  st.builds(np.int64, st.integers(-5, 5)), st.builds(np.float32, st.floats(-1, 1)))
+_row = st.one_of(st.none(), st.integers(0, 3),
+                 st.fixed_dictionaries({"a": _leaf}), st.fixed_dictionaries({"a": _leaf, "b": _leaf}),
+                 st.fixed_dictionaries({"b": st.integers(0, 9), "a": st.integers(0, 9)}),
+                 st.fixed_dictionaries({"a": st.integers(0, 9), "b": st.integers(0, 9)}),
+                 st.fixed_dictionaries({"a": st.floats(0, 9), "b": st.integers(0, 9)}))
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(_row, min_size=1, max_size=8))
+def test_dicts_of_one_shape_flatten_as_row_by_row_flattening_does(values):
+    from gpudiag.agent import store
+
+    fast = store._DictColumn.from_values(values)
+    general = store._DictColumn._from_one_shape
+    try:
+        store._DictColumn._from_one_shape = classmethod(lambda cls, v: store._NOT_ONE_SHAPE)
+        slow = store._DictColumn.from_values(values)
+    finally:
+        store._DictColumn._from_one_shape = general
+    assert (fast is None) == (slow is None)
+    if fast is not None:
+        assert fast.layouts == slow.layouts and fast.int_paths == slow.int_paths
+        assert fast.codes.dtype == slow.codes.dtype and np.array_equal(fast.codes, slow.codes)
+        assert list(fast.leaves) == list(slow.leaves)
+        for path, leaf in fast.leaves.items():
+            assert leaf.dtype == slow.leaves[path].dtype and np.array_equal(leaf, slow.leaves[path], equal_nan=True)
+
+
+def test_a_column_of_shared_dicts_encodes_as_one_of_equal_separate_dicts():
+    from gpudiag.agent import store
+
+    reasons = [{"white": "no reporter", "grey": "no reporter"}, {"black": "NVML not found"}, {}]
+    shared = np.empty(600, dtype=object)
+    shared[:] = [reasons[i % 3] for i in range(600)]  # as decoding a fresh block shares equal dicts
+    separate = np.empty(600, dtype=object)
+    separate[:] = [dict(reasons[i % 3]) for i in range(600)]
+    separate[7] = None
+    shared[7] = None
+    got_shared, got_separate = store._json_codes(shared), store._json_codes(separate)
+    assert got_shared[1] == got_separate[1] and np.array_equal(got_shared[0], got_separate[0])
+    assert encode_block({"missing_reasons": shared}, 600) == encode_block({"missing_reasons": separate}, 600)
