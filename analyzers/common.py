@@ -344,20 +344,23 @@ def subset(df: pd.DataFrame | Rows, key: dict, cols=("node", "gpu")):
     return df
 
 
-def steady_per_entity(rows, keys: tuple[str, ...], columns: tuple[str, ...]) -> np.ndarray | None:
-    """Per entity of ``per_entity(rows, keys)``, True when each of ``columns`` holds one whole number
-    throughout (missing values aside; an absent or empty column counts), small enough that sums of it
-    over the entity's samples are exact.
+def still_per_entity(rows, keys: tuple[str, ...], columns: tuple[str, ...], *,
+                     whole_numbers: bool = False) -> np.ndarray | None:
+    """Per entity of ``per_entity(rows, keys)``, True when each of ``columns`` holds one value throughout
+    (missing values aside; an absent or empty column counts).
 
-    Such a series, or a sum of such series, has an exact mean equal to its value, so a
-    least-squares trend of it is exactly flat (:func:`linear_trend` gives slope 0). One
-    reduction over the whole table tells it for every entity at once. None when not
-    answerable so (rows that are not the whole table, a column kept other than as numbers).
+    One reduction over the whole table instead of a copy and a min/max per entity: most
+    processes of a node hold the same memory minute after minute. With ``whole_numbers``,
+    the value must also be a whole number small enough that sums of it over the entity's
+    samples are exact: such a series, or a sum of two, has an exact mean equal to its
+    value, so a least-squares trend of it is exactly flat (:func:`linear_trend` gives slope
+    0). None when not answerable so (rows that are not the whole table, a column kept other
+    than as numbers, none of the columns there).
     """
     present = tuple(k for k in keys if k in rows)
     if not isinstance(rows, Rows) or not present:
         return None
-    steady = None
+    still = None
     for name in columns:
         got = rows.entity_column(present, name)
         if got is None:
@@ -369,13 +372,14 @@ def steady_per_entity(rows, keys: tuple[str, ...], columns: tuple[str, ...]) -> 
             return None
         v = values.astype(float, copy=False)
         lo, hi = np.fmin.reduceat(v, starts[:-1]), np.fmax.reduceat(v, starts[:-1])
-        n = np.diff(starts)
-        with np.errstate(invalid="ignore"):
-            # Twice the room: two such columns may be added before the trend is taken.
-            whole = (lo == hi) & (lo == np.round(lo)) & (2 * np.abs(lo) * n < 2.0**53)
-        ok = whole | np.isnan(lo)
-        steady = ok if steady is None else steady & ok
-    return steady
+        flat = lo == hi
+        if whole_numbers:
+            with np.errstate(invalid="ignore"):
+                # Twice the room: two such columns may be added before the trend is taken.
+                flat &= (lo == np.round(lo)) & (2 * np.abs(lo) * np.diff(starts) < 2.0**53)
+        ok = flat | np.isnan(lo)
+        still = ok if still is None else still & ok
+    return still
 
 
 def only_zeros(window, kind: str, column: str) -> bool:

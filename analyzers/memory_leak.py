@@ -46,10 +46,10 @@ import numpy as np
 
 from gpudiag.catalog import M
 from gpudiag.findings import Evidence, Finding, Severity, alert_name
-from gpudiag.frames import Rows, Window
+from gpudiag.frames import Window
 from gpudiag.units import fmt_bytes, fmt_seconds
 
-from .common import label_int, linear_trend, per_entity, subset
+from .common import label_int, linear_trend, per_entity, still_per_entity, subset
 from .oom_forecast import TIME_TO_OOM_CRITICAL_S, device_headroom_bytes, rising_slope, time_to_oom_s
 
 KIND = "memory_leak"
@@ -91,7 +91,7 @@ def analyze(window: Window) -> list[Finding]:
     gpu, eng, api = window.rows("gpu"), window.rows("engine"), window.rows("cuda_api")
     findings = []
     loads: dict[tuple, tuple] = {}  # per GPU: its engine's load, judged once for all its processes
-    still = _constant_per_entity(proc, ("node", "gpu", "pid"), _LAYERS)
+    still = still_per_entity(proc, ("node", "gpu", "pid"), _LAYERS)
     for g, (key, p) in enumerate(per_entity(proc, ["node", "gpu", "pid"])):
         if still is not None and still[g]:
             continue  # memory that never moved (told for every process at once)
@@ -158,35 +158,6 @@ _LAYER_WORDS = {ALLOCATED: "tensor (allocated)", POOL: "caching-allocator pool",
 
 
 _LAYERS = (M.process_torch_allocated_bytes, M.process_torch_reserved_bytes, M.process_gpu_memory_bytes)
-
-
-def _constant_per_entity(proc, keys: tuple[str, ...], columns: tuple[str, ...]) -> np.ndarray | None:
-    """Per entity of ``per_entity(proc, keys)``, True when every one of ``columns`` is constant, missing or absent.
-
-    One reduction over the whole table instead of a copy and a min/max per process: most
-    processes of a node hold the same memory minute after minute. None: not answerable at
-    once (rows that are not the whole table, a column kept other than as numbers).
-    """
-    present = tuple(k for k in keys if k in proc)
-    if not isinstance(proc, Rows) or not present:
-        return None
-    still = None
-    for name in columns:
-        got = proc.entity_column(present, name)
-        if got is None:
-            if name in proc:
-                return None
-            continue  # absent: never moves
-        values, starts = got
-        if values.dtype.kind not in "fiub":
-            return None
-        v = values.astype(float, copy=False)
-        lo, hi = np.fmin.reduceat(v, starts[:-1]), np.fmax.reduceat(v, starts[:-1])
-        flat = (lo == hi) | np.isnan(lo)
-        still = flat if still is None else still & flat
-    if still is None:
-        return None  # none of the columns: the loop skips every process by itself
-    return still
 
 
 def _constant(v: np.ndarray) -> bool:

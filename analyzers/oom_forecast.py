@@ -39,7 +39,7 @@ from gpudiag.findings import Evidence, Finding, Severity, alert_name
 from gpudiag.frames import Window
 from gpudiag.units import fmt_bytes, fmt_seconds
 
-from .common import label_int, linear_trend, per_entity, steady_per_entity, subset
+from .common import label_int, linear_trend, per_entity, still_per_entity, subset
 
 KIND = "oom_forecast"
 
@@ -80,7 +80,7 @@ def analyze(window: Window) -> list[Finding]:
         and window.has("process", M.process_torch_inactive_split_bytes)
     findings = []
     # Every series a process's held memory is taken from; when all of them hold one value, it has no trend.
-    steady = steady_per_entity(proc, ("node", "gpu", "pid"), _HELD_COLUMNS)
+    steady = still_per_entity(proc, ("node", "gpu", "pid"), _HELD_COLUMNS, whole_numbers=True)
     for g, (key, p) in enumerate(per_entity(proc, ["node", "gpu", "pid"])):
         if steady is not None and steady[g]:
             continue  # flat memory: rising_slope would find slope 0 (told for every process at once)

@@ -115,7 +115,7 @@ def test_a_leak_among_many_still_processes_is_found_and_only_the_still_ones_are_
                                                 M.gpu_memory_used_bytes: lambda t: 20 * GiB + 4 * MiB * t}),
                engine=engine_rows(n, **{M.num_requests_running: 32.0}))
     proc = w.rows("process")
-    still = memory_leak._constant_per_entity(proc, ("node", "gpu", "pid"), memory_leak._LAYERS)
+    still = memory_leak.still_per_entity(proc, ("node", "gpu", "pid"), memory_leak._LAYERS)
     pids = [key["pid"] for key, _ in per_entity(proc, ["node", "gpu", "pid"])]
     assert dict(zip(pids, still.tolist())) == {ENGINE_PID: False, 5001: True, 5002: True, 5003: False}
     f = only(memory_leak.analyze(w), "memory_leak")

@@ -116,7 +116,7 @@ def test_processes_whose_memory_never_moves_are_told_apart_at_once_and_forecast_
     assert [f.pid for f in found] == [99]
     assert judged == [10 * gib + 40 * mib]  # the twenty flat processes were not read one by one
     judged.clear()
-    monkeypatch.setattr(oom_forecast, "steady_per_entity", lambda *a: None)
+    monkeypatch.setattr(oom_forecast, "still_per_entity", lambda *a, **k: None)
     assert [f.to_dict() for f in oom_forecast.analyze(win.window("n"))] == [f.to_dict() for f in found]
     assert len(judged) == 21
     # What makes skipping them exact: a whole-number series that never moves has a trend of exactly 0.
