@@ -673,7 +673,7 @@ def _encode_column(a, *, sealed: bool, parts_of: dict | None = None) -> tuple[di
             meta["leaves"].append(leaf)
             parts += leaf_parts
         return meta, parts
-    meta, parts = _encode_floats(a, parts_of) if parts_of is not None and a.dtype.kind == "f" else _encode_plain(a)
+    meta, parts = _encode_plain(a, parts_of)
     meta["sizes"] = [len(p) for p in parts]
     return meta, parts
 
@@ -713,14 +713,15 @@ def _expand_header(header: dict) -> dict:
     return header
 
 
-def _encode_plain(a: np.ndarray) -> tuple[dict, list[bytes]]:
+def _encode_plain(a: np.ndarray, parts_of: dict | None = None) -> tuple[dict, list[bytes]]:
+    """(meta, parts) of a plain column; a float column with ``parts_of`` may be stored against them."""
     kind = a.dtype.kind
     if kind == "b":
         return {"codec": "bool"}, [a.astype(np.uint8).tobytes()]
     if kind in "iu":
         return _encode_ints(a)
     if kind == "f":
-        return _encode_floats(a)
+        return _encode_floats(a, parts_of)
     got = _factorize(a)
     codes, uniques = got if got is not None else (None, [None])  # unhashable values (lists, dicts of strings)
     if not uniques:

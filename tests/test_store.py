@@ -349,6 +349,23 @@ def test_a_requests_e2e_latency_is_stored_as_what_is_left_of_ttft_plus_tpot_per_
             block, M.time_to_first_token_seconds)
 
 
+def test_a_column_stored_against_columns_the_block_lacks_is_a_damaged_block_not_wrong_numbers():
+    import struct
+
+    from gpudiag.agent.store import _BLOCK_MAGIC, _compress, _decompress
+
+    n = 500
+    block = encode_block(_request_rows(n, 9, lambda ttft, tpot, k, rng: ttft + tpot * (k - 1)), n)
+    (head_z,) = struct.unpack("<I", block[4:8])
+    header = json.loads(_decompress(memoryview(block)[8:8 + head_z]))
+    e2e = next(m for m in header["columns"] if m["name"] == M.e2e_request_latency_seconds)
+    e2e["of"][2] = "no_such_tokens"  # a header that names a column the block does not hold
+    head = _compress(json.dumps(header, separators=(",", ":")).encode(), 3)
+    tampered = _BLOCK_MAGIC + struct.pack("<I", len(head)) + head + block[8 + head_z:]
+    with pytest.raises(ValueError, match="do not add up"):
+        decode_block(tampered)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_a_column_stored_against_others_reads_back_exactly_whatever_they_hold(data):
