@@ -162,11 +162,16 @@ def traces():
     receiver.close()
 
 
+# The served instance's admission limits (the burst test reasons from them).
+MAX_QUEUE, RATE_PER_S, BURST = 4, 30, 6
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, traces):
     # Limits sized to be exceeded: at most 4 in a batch, 4 waiting, 30 requests/s in bursts of 6.
-    server = Served(tmp_path_factory.mktemp("served"), "--max-num-seqs", 4, "--max-queue", 4, "--rate", 30,
-                    "--burst", 6, "--otlp-endpoint", traces.url, env={"OTEL_BSP_SCHEDULE_DELAY": "200"})
+    server = Served(tmp_path_factory.mktemp("served"), "--max-num-seqs", 4, "--max-queue", MAX_QUEUE,
+                    "--rate", RATE_PER_S, "--burst", BURST, "--otlp-endpoint", traces.url,
+                    env={"OTEL_BSP_SCHEDULE_DELAY": "200"})
     yield server
     server.stop()
 
@@ -252,6 +257,9 @@ def test_under_overload_the_excess_gets_429_with_retry_after_and_every_accepted_
     def one(i):
         return served.generate(prompt=f"request {i} of the burst", max_tokens=12, priority="batch", ignore_eos=True)
 
+    # The tests before this one spend tokens up to the moment it starts: let the bucket fill up
+    # (a wait for the bucket's own refill time, not a limit on anyone's speed).
+    time.sleep(BURST / RATE_PER_S + 0.1)
     overflows_before = listen_overflows()
     with ThreadPoolExecutor(max_workers=16) as pool:
         results = list(pool.map(one, range(sent)))
@@ -265,7 +273,9 @@ def test_under_overload_the_excess_gets_429_with_retry_after_and_every_accepted_
     assert not [s for s in statuses if s >= 500]
     assert len(accepted) + len(refused) == sent
     assert refused, "a burst of 120 from 16 clients against 30/s and a queue of 4 must be refused in part"
-    assert len(accepted) >= 6  # the bucket's burst at least
+    # A full bucket and an idle engine take at least the first min(BURST, MAX_QUEUE) arrivals; more only
+    # as fast as the engine moves queued requests into its batch, which is the machine's speed.
+    assert len(accepted) >= min(BURST, MAX_QUEUE)
     assert all((out["finish_reason"], out["output_tokens"]) == ("length", 12) for out in accepted)
     assert all(int(h["Retry-After"]) >= 1 and "retry later" in out["error"] for h, out in refused)
     status, _, health = served.request("GET", "/health")
