@@ -266,6 +266,34 @@ def test_a_gauge_that_goes_up_and_down_costs_about_a_bit_per_value_more_than_a_c
     assert sizes["gauge"] <= sizes["counter"] + 1.1 * n / 8  # the sign of each step: one bit
 
 
+def test_each_byte_plane_of_a_sealed_column_is_coded_with_a_huffman_table_of_its_own():
+    # Token counts of unrelated requests, uniform in 50..4000: a uniform low byte plane and a high one of
+    # 16 values. In one zstd block both share a Huffman table and cost 1.72 bytes a value; each in a block
+    # of its own, within 3 % of their entropy.
+    rng = np.random.default_rng(7)
+    n = 5000
+    tokens = rng.integers(50, 4001, n)
+    columns = {"t": T0 + np.arange(n, dtype=float), "request_id": np.array([f"r{i}" for i in range(n)], dtype=object),
+               "prompt_tokens": tokens}  # one request a row: stored as appended
+    block = encode_block(columns, n)
+    assert np.array_equal(decode_block(block)[1]["prompt_tokens"], tokens)
+    assert _column_bytes(block, "prompt_tokens") <= 1.03 * n * math.log2(4001 - 50) / 8
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(-2**63, 2**63 - 1), min_size=1, max_size=300), st.integers(0, 3))
+def test_a_sealed_column_split_into_byte_planes_is_one_plain_zstd_frame_never_larger_than_one_block(values, repeat):
+    import zstandard
+
+    from gpudiag.agent.store import _compress, _compress_parts, _encode_plain
+
+    a = np.repeat(np.array(values, dtype=np.int64), repeat + 1)  # runs of equal values too
+    _, parts = _encode_plain(a)
+    frame = _compress_parts(parts, len(a), 3, True)
+    assert zstandard.ZstdDecompressor().decompress(frame) == b"".join(parts)  # as any zstd reader reads it
+    assert len(frame) <= len(_compress(b"".join(parts), 3))
+
+
 def test_values_that_do_not_follow_each_other_are_stored_as_themselves_not_as_steps(monkeypatch):
     # One row per request: token counts and latencies of unrelated requests. As steps they take a
     # sign and about a bit more per value than as values less their minimum.
