@@ -164,6 +164,11 @@ def _compress(data: bytes, level: int) -> bytes:
     return _compressor(level).compress(data)
 
 
+def _compressed_json(x, level: int) -> bytes:
+    """``x`` as a block's header holds it: compact JSON, compressed."""
+    return _compress(json.dumps(x, separators=(",", ":")).encode(), level)
+
+
 def _compress_parts(parts: list[bytes], n: int, level: int, sealed: bool) -> bytes:
     """One zstd frame of a column's parts; in a sealed block, each byte plane of ``n`` rows a zstd block of its own
     where that is smaller.
@@ -878,17 +883,13 @@ def _encode_strings(codes: np.ndarray, uniques: list[str], *, fields: bool = Tru
     split = _split_fields(uniques) if fields else None
     if split is not None:
         field_metas, field_parts = split
-        as_fields = _json_bytes(field_metas) + len(_compress(b"".join(field_parts), _LEVEL_SEALED))
-        if as_fields < FIELDS_GAIN * _json_bytes(meta["front"]):
+        header = len(_compressed_json(field_metas, _LEVEL_SEALED))
+        as_fields = header + len(_compress(b"".join(field_parts), _LEVEL_SEALED))
+        if as_fields < FIELDS_GAIN * len(_compressed_json(meta["front"], _LEVEL_SEALED)):
             del meta["front"]
             meta.update(fields=field_metas, count=len(uniques))
             parts += field_parts
     return meta, parts
-
-
-def _json_bytes(x) -> int:
-    """Compressed bytes of ``x`` as a sealed block's header holds it."""
-    return len(_compress(json.dumps(x, separators=(",", ":")).encode(), _LEVEL_SEALED))
 
 
 # Fields replace front coding wherever they compress smaller: joining them back costs about what
@@ -1128,7 +1129,7 @@ def encode_block(columns: dict, n: int, *, sealed: bool = True) -> bytes:
         meta["name"] = name
         meta["z"] = len(frames[-1])
         header["columns"].append(meta)
-    head = _compress(json.dumps(header, separators=(",", ":")).encode(), level)
+    head = _compressed_json(header, level)
     return _BLOCK_MAGIC + struct.pack("<I", len(head)) + head + b"".join(frames)
 
 
