@@ -412,7 +412,7 @@ def _with_fields_forced(values: list[str], data) -> tuple[dict, int, bytes, dict
     return columns, n, block, meta
 
 
-_NOT_ALNUM = st.characters(blacklist_characters="0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+_NOT_ALNUM = st.characters(exclude_characters="0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
 _ID_PIECES = st.one_of(
     st.tuples(st.just("text"), st.text(min_size=1, max_size=4)),  # the same in every id: any characters
     st.tuples(st.just("sep"), st.text(_NOT_ALNUM, min_size=1, max_size=3)),
