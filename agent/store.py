@@ -62,6 +62,7 @@ import logging
 import math
 import operator
 import os
+import re
 import sqlite3
 import struct
 import sys
@@ -101,7 +102,7 @@ from gpudiag.frames import _factorize as _factorize_table_column
 
 log = logging.getLogger("gpudiag.agent.store")
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 DEFAULT_RETENTION_S = 7 * 86400.0
 DEFAULT_MAX_BYTES = 2 * 1024**3
 # Sealed chunks of 5 minutes: long enough that the per-entity first value of each
@@ -151,12 +152,47 @@ _ZSTD_DECOMPRESSORS = threading.local()  # and one decompression context per thr
 _DAMAGED_BLOCK_ERRORS = (zlib.error, zstandard.ZstdError)
 
 
-def _compress(data: bytes, level: int) -> bytes:
+def _compressor(level: int) -> zstandard.ZstdCompressor:
     compressors = _ZSTD_COMPRESSORS.__dict__
     c = compressors.get(level)
     if c is None:
         c = compressors[level] = zstandard.ZstdCompressor(level=level)
-    return c.compress(data)
+    return c
+
+
+def _compress(data: bytes, level: int) -> bytes:
+    return _compressor(level).compress(data)
+
+
+def _compressed_json(x, level: int) -> bytes:
+    """``x`` as a block's header holds it: compact JSON, compressed."""
+    return _compress(json.dumps(x, separators=(",", ":")).encode(), level)
+
+
+def _compress_parts(parts: list[bytes], n: int, level: int, sealed: bool) -> bytes:
+    """One zstd frame of a column's parts; in a sealed block, each byte plane of ``n`` rows a zstd block of its own
+    where that is smaller.
+
+    A zstd block codes its literals with one Huffman table. Values that do not follow each other (a
+    request's token counts and latencies) have a uniform low byte plane and a skewed high one: coded
+    with one table for both, they cost about a bit a byte more than each with its own. The frame is a
+    plain zstd frame either way.
+    """
+    whole = _compress(b"".join(parts), level)
+    if not sealed or n < 2:
+        return whole
+    planes = []
+    for part in parts:
+        if len(part) > n and len(part) % n == 0:  # a shuffled part: its byte planes, n bytes each
+            planes += [part[i:i + n] for i in range(0, len(part), n)]
+        else:
+            planes.append(part)
+    if len(planes) < 2:
+        return whole
+    writer = _compressor(level).compressobj(size=sum(map(len, planes)))
+    blocks = [writer.compress(p) + writer.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK) for p in planes]
+    split = b"".join(blocks) + writer.flush()
+    return split if len(split) < len(whole) else whole
 
 
 class _ZlibBody:
@@ -250,7 +286,8 @@ def _table(kind: str) -> str:
 #   bool   uint8
 #   str    dictionary of strings + int32 codes (-1 = None); a long dictionary front-coded
 #          in the header ("front": each value as the length it shares with the one before
-#          and the rest)
+#          and the rest), or, where that is smaller, stored as fields after the codes
+#          ("fields": decimal and hex runs as numbers, see _split_fields)
 #   dict   dicts of numbers (the multi-label metrics): each row's key layout as a
 #          code into a list of layouts, each leaf a numeric column of its own
 #   json   dictionary of JSON texts + int32 codes (anything else)
@@ -258,7 +295,8 @@ def _table(kind: str) -> str:
 #   raw    numbers as they are, and objects as one JSON list: fresh chunks only, which must be cheap to write every
 #          second and are re-encoded with the codecs above when sealed
 # Numeric payloads are byte-shuffled (all first bytes, then all second bytes, ...)
-# so that the compressor sees long runs of equal high-order bytes. Every codec is lossless.
+# so that the compressor sees long runs of equal high-order bytes; in a sealed block each
+# byte plane may be a zstd block of its own (see _compress_parts). Every codec is lossless.
 
 
 def _shuffle(a: np.ndarray) -> bytes:
@@ -706,11 +744,157 @@ def _front_decode(coded: list) -> list[str]:
 
 
 def _expand_header(header: dict) -> dict:
-    """Give every front-coded string column its ``values`` back, so that readers see one layout."""
+    """Give every front-coded string column (and text field) its ``values`` back, so that readers see one layout.
+
+    A dictionary stored as fields gets its ``values`` from the column's payload (:func:`_dictionary`).
+    """
     for meta in header["columns"]:
-        if "front" in meta:
-            meta["values"] = _front_decode(meta.pop("front"))
+        for m in [meta, *meta.get("fields", ())]:
+            if "front" in m:
+                m["values"] = _front_decode(m.pop("front"))
     return header
+
+
+# --- string dictionaries as fields -------------------------------------------------------
+#
+# Request ids are made of runs: "req-3-1041-9f2c41d0", "cmpl-" and a uuid4 as 32 hex digits,
+# "chatcmpl-...". Each string splits into runs of ASCII letters and digits and runs of other
+# characters; when every string of a dictionary has the same runs, the dictionary is stored
+# as fields, run position by run position, each field a column of the dictionary's length:
+#   int    decimal runs ("1041", or "007" when every run has the same width: "pad") as an
+#          integer column with the int codec, so a counter costs its steps
+#   hex    runs of one length of lowercase (or of uppercase) hex digits, two to a byte
+#   str    anything else, neighbouring runs joined ("req-", "-"): a dictionary of its own with codes
+# A dictionary is stored as fields only where that compresses smaller than front coding it.
+
+_RUNS = re.compile(r"[0-9A-Za-z]+|[^0-9A-Za-z]+")
+_ALNUM = re.compile(r"[0-9A-Za-z]")
+_DIGITS = re.compile(r"[0-9]*")
+_HEX = {False: re.compile(r"[0-9a-f]*"), True: re.compile(r"[0-9A-F]*")}
+_MAX_INT_DIGITS = 18  # every run of up to 18 decimal digits is an int64
+
+
+def _split_fields(values: list[str]) -> tuple[list[dict], list[bytes]] | None:
+    """(field metas, one part per field) of strings that all have the same runs; None where they do not,
+    or where no field is a number."""
+    runs = [_RUNS.findall(v) for v in values]
+    width = len(runs[0]) if runs else 0
+    if not width or any(len(r) != width for r in runs):
+        return None
+    columns = list(zip(*runs))
+    alnum = [bool(_ALNUM.match(r)) for r in runs[0]]
+    if any(bool(_ALNUM.match(r[0])) != alnum[0] for r in runs):  # runs alternate: the first run fixes the shape
+        return None
+    kinds = [_run_kind(c) if a else None for c, a in zip(columns, alnum)]
+    if not any(kinds):
+        return None
+    fields: list[tuple[dict, bytes]] = []
+    text: list[tuple[str, ...]] = []  # text runs not stored yet: they join the next text runs
+    for column, kind in zip(columns, kinds):
+        if kind is None:
+            text.append(column)
+            continue
+        if text:
+            fields.append(_text_field(text))
+            text = []
+        if kind[0] == "int":
+            meta, (part,) = _encode_ints(np.array([int(v) for v in column], dtype=np.int64))
+            if kind[1]:
+                meta["pad"] = kind[1]
+        else:
+            length, upper = kind[1], kind[2]
+            digits = "".join(column) if length % 2 == 0 else "0".join(column) + "0"  # odd runs: a nibble of padding
+            meta = {"codec": "hex", "len": length, "upper": upper}
+            part = _shuffle(np.frombuffer(bytes.fromhex(digits), dtype=f"V{(length + 1) // 2}"))
+        fields.append((meta, part))
+    if text:
+        fields.append(_text_field(text))
+    return [meta for meta, _ in fields], [part for _, part in fields]
+
+
+def _text_field(runs: list[tuple[str, ...]]) -> tuple[dict, bytes]:
+    """(meta, codes) of neighbouring text run positions joined into one field of their own dictionary."""
+    joined = runs[0] if len(runs) == 1 else ["".join(t) for t in zip(*runs)]
+    codes, uniques = _factorize(_objects(list(joined)))
+    meta, (part,) = _encode_strings(codes, uniques, fields=False)
+    return meta, part
+
+
+def _run_kind(column: tuple[str, ...]) -> tuple | None:
+    """("int", pad width or 0), ("hex", length, upper case) or None (text) of one position of letter and digit runs."""
+    lengths = set(map(len, column))
+    joined = "".join(column)
+    if _DIGITS.fullmatch(joined) and max(lengths) <= _MAX_INT_DIGITS:
+        if all(v[0] != "0" or v == "0" for v in column):
+            return ("int", 0)
+        if len(lengths) == 1:
+            return ("int", next(iter(lengths)))
+    if len(lengths) == 1:
+        for upper, pattern in _HEX.items():
+            if pattern.fullmatch(joined):
+                return ("hex", next(iter(lengths)), upper)
+    return None
+
+
+def _join_fields(fields: list[dict], parts: list, count: int) -> list[str]:
+    """The strings :func:`_split_fields` stored as ``fields``, from their parts."""
+    if len(parts) != len(fields):
+        raise ValueError("a dictionary of fields with parts missing")
+    pieces = []
+    for meta, part in zip(fields, parts):
+        codec = meta["codec"]
+        if codec == "str":
+            codes = _unshuffle(part, np.dtype(f"<i{meta['width']}"), count)
+            pieces.append(_label_lookup(meta["values"], None)[codes].tolist())
+        elif codec == "int":
+            ints = _decode_ints(meta, part, count).tolist()
+            pad = meta.get("pad")
+            pieces.append([str(v).zfill(pad) for v in ints] if pad else list(map(str, ints)))
+        elif codec == "hex":
+            length = meta["len"]
+            step = 2 * ((length + 1) // 2)
+            digits = _unshuffle(part, np.dtype(f"V{step // 2}"), count).tobytes().hex()
+            if meta["upper"]:
+                digits = digits.upper()
+            pieces.append([digits[i:i + length] for i in range(0, count * step, step)])
+        else:
+            raise ValueError(f"a dictionary field of unknown codec {codec!r}")
+    return list(map("".join, zip(*pieces)))
+
+
+def _dictionary(meta: dict, parts: list) -> list:
+    """A str column's dictionary: ``values``, or joined from its fields (the parts after the codes) once."""
+    values = meta.get("values")
+    if values is None:
+        values = meta["values"] = _join_fields(meta["fields"], parts[1:], meta["count"])
+    return values
+
+
+def _encode_strings(codes: np.ndarray, uniques: list[str], *, fields: bool = True) -> tuple[dict, list[bytes]]:
+    """(meta, parts) of a str column: codes, and its dictionary in the header, front-coded when long,
+    or as fields in the parts after the codes when that is smaller."""
+    codes = _narrow(codes)
+    meta: dict[str, Any] = {"codec": "str", "width": codes.dtype.itemsize}
+    parts = [_shuffle(codes)]
+    if len(uniques) < FRONT_CODE_MIN_VALUES:
+        meta["values"] = uniques
+        return meta, parts
+    meta["front"] = _front_code(uniques)
+    split = _split_fields(uniques) if fields else None
+    if split is not None:
+        field_metas, field_parts = split
+        header = len(_compressed_json(field_metas, _LEVEL_SEALED))
+        as_fields = header + len(_compress(b"".join(field_parts), _LEVEL_SEALED))
+        if as_fields < FIELDS_GAIN * len(_compressed_json(meta["front"], _LEVEL_SEALED)):
+            del meta["front"]
+            meta.update(fields=field_metas, count=len(uniques))
+            parts += field_parts
+    return meta, parts
+
+
+# Fields replace front coding wherever they compress smaller: joining them back costs about what
+# front decoding does.
+FIELDS_GAIN = 1.0
 
 
 def _encode_plain(a: np.ndarray, parts_of: dict | None = None) -> tuple[dict, list[bytes]]:
@@ -727,13 +911,7 @@ def _encode_plain(a: np.ndarray, parts_of: dict | None = None) -> tuple[dict, li
     if not uniques:
         return {"codec": "null"}, []
     if all(isinstance(u, str) for u in uniques):
-        codes = _narrow(codes)
-        meta = {"codec": "str", "width": codes.dtype.itemsize}
-        if len(uniques) >= FRONT_CODE_MIN_VALUES:
-            meta["front"] = _front_code(uniques)
-        else:
-            meta["values"] = uniques
-        return meta, [_shuffle(codes)]
+        return _encode_strings(codes, uniques)
     codes, texts = _json_codes(a)
     codes = _narrow(codes)
     return {"codec": "json", "values": texts, "width": codes.dtype.itemsize}, [_shuffle(codes)]
@@ -876,7 +1054,7 @@ def _decode_column(meta: dict, cur: _Cursor, n: int, labels: dict | None = None,
     if codec == "null":
         out[:] = None
         return out
-    values = meta["values"] if codec == "str" else [json.loads(v) for v in meta["values"]]
+    values = _dictionary(meta, parts) if codec == "str" else [json.loads(v) for v in meta["values"]]
     codes = _unshuffle(parts[0], np.dtype(f"<i{meta['width']}"), n)
     as_labels = labels is not None and codec == "str"
     if as_labels:
@@ -938,7 +1116,7 @@ def encode_block(columns: dict, n: int, *, sealed: bool = True) -> bytes:
     frames: list[bytes] = []
     if order is not None:
         meta, parts = _encode_ints(order)
-        frames.append(_compress(b"".join(parts), level))
+        frames.append(_compress_parts(parts, n, level, sealed))
         header["order"] = meta | {"sizes": [len(p) for p in parts], "z": len(frames[-1])}
     for name, a in columns.items():
         if order is not None:
@@ -947,11 +1125,11 @@ def encode_block(columns: dict, n: int, *, sealed: bool = True) -> bytes:
         if sealed and name in SUM_OF_PARTS and all(p in columns for p in SUM_OF_PARTS[name]):
             parts_of = {p: columns[p] if order is None else columns[p][order] for p in SUM_OF_PARTS[name]}
         meta, parts = _encode_column(a, sealed=sealed, parts_of=parts_of)
-        frames.append(_compress(b"".join(parts), level))
+        frames.append(_compress_parts(parts, n, level, sealed))
         meta["name"] = name
         meta["z"] = len(frames[-1])
         header["columns"].append(meta)
-    head = _compress(json.dumps(header, separators=(",", ":")).encode(), level)
+    head = _compressed_json(header, level)
     return _BLOCK_MAGIC + struct.pack("<I", len(head)) + head + b"".join(frames)
 
 
@@ -1136,10 +1314,21 @@ class _WindowBlock:
         meta = self.metas[name]
         data = self._bytes_of(name)
         if meta["codec"] == "str":
-            return _unshuffle(data[:meta["sizes"][0]], np.dtype(f"<i{meta['width']}"), self.n), meta["values"]
+            cur = _Cursor(data, 0)
+            parts = [cur.take(size) for size in meta["sizes"]]
+            return _unshuffle(parts[0], np.dtype(f"<i{meta['width']}"), self.n), _dictionary(meta, parts)
         parts_of = tuple(self.stored(p) if p in self.metas else None for p in meta["of"]) if "of" in meta else None
         return _decode_column(meta, _Cursor(bytes(data) if meta["codec"] == "jsonlist" else data, 0), self.n,
                               parts_of=parts_of)
+
+    def values(self, name: str) -> list:
+        """A str column's dictionary (one stored as fields is read from the column's payload)."""
+        meta = self.metas[name]
+        if "values" not in meta:
+            if self.body is not None:
+                self._inflate_to(self.offsets[name] + self.sizes[name])
+            self.stored(name)
+        return meta["values"]
 
     def full_column(self, name: str):
         """A column of every row in appended order, as :func:`decode_table` gives it."""
@@ -1229,11 +1418,12 @@ class _ColumnOut:
             return
         if not missing and all(m["codec"] == "str" for m in metas):
             self.mode = "labels"
-            self.uniques = sorted(set().union(*(m["values"] for m in metas)))
+            dictionaries = [b.values(name) for b in blocks]
+            self.uniques = sorted(set().union(*dictionaries))
             index = {u: i for i, u in enumerate(self.uniques)}
             # 32-bit codes: a label column of a day of a node is 11 M codes, and every byte of them is a
             # fresh page the read waits for.
-            self.maps = [np.array([index[v] for v in m["values"]] + [-1], dtype=np.int32) for m in metas]
+            self.maps = [np.array([index[v] for v in values] + [-1], dtype=np.int32) for values in dictionaries]
             self.codes = np.empty(total, dtype=np.int32)
             return
         self.mode = "array"
@@ -1929,12 +2119,21 @@ def _migration_5_reference_ints(conn: sqlite3.Connection) -> None:
     pass
 
 
+def _migration_6_dictionary_fields(conn: sqlite3.Connection) -> None:
+    # Sealed chunks from now on may hold string dictionaries stored as fields in the column's
+    # payload ("fields"): a gpudiag of schema 5 finds no values in the header and cannot read
+    # them, so the version bump makes it refuse the store instead. Chunks already stored read
+    # as they are.
+    pass
+
+
 MIGRATIONS: tuple[tuple[int, str, Any], ...] = (
     (1, "initial", _migration_1_initial),
     (2, "findings_entity", _migration_2_findings_entity),
     (3, "zstd_chunks", _migration_3_zstd_chunks),
     (4, "zigzag_ints", _migration_4_zigzag_ints),
     (5, "reference_ints", _migration_5_reference_ints),
+    (6, "dictionary_fields", _migration_6_dictionary_fields),
 )
 assert MIGRATIONS[-1][0] == SCHEMA_VERSION
 

@@ -97,7 +97,7 @@ def test_a_new_store_runs_in_wal_mode_at_the_current_schema(tmp_path):
     conn.close()
     assert meta["schema_version"] == SCHEMA_VERSION
     assert [m["name"] for m in meta["migrations"]] == ["initial", "findings_entity", "zstd_chunks", "zigzag_ints",
-                                                   "reference_ints"]
+                                                   "reference_ints", "dictionary_fields"]
 
 
 def test_frames_read_back_exactly_as_appended_before_and_after_sealing(tmp_path):
@@ -266,6 +266,34 @@ def test_a_gauge_that_goes_up_and_down_costs_about_a_bit_per_value_more_than_a_c
     assert sizes["gauge"] <= sizes["counter"] + 1.1 * n / 8  # the sign of each step: one bit
 
 
+def test_each_byte_plane_of_a_sealed_column_is_coded_with_a_huffman_table_of_its_own():
+    # Token counts of unrelated requests, uniform in 50..4000: a uniform low byte plane and a high one of
+    # 16 values. In one zstd block both share a Huffman table and cost 1.72 bytes a value; each in a block
+    # of its own, within 3 % of their entropy.
+    rng = np.random.default_rng(7)
+    n = 5000
+    tokens = rng.integers(50, 4001, n)
+    columns = {"t": T0 + np.arange(n, dtype=float), "request_id": np.array([f"r{i}" for i in range(n)], dtype=object),
+               "prompt_tokens": tokens}  # one request a row: stored as appended
+    block = encode_block(columns, n)
+    assert np.array_equal(decode_block(block)[1]["prompt_tokens"], tokens)
+    assert _column_bytes(block, "prompt_tokens") <= 1.03 * n * math.log2(4001 - 50) / 8
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(-2**63, 2**63 - 1), min_size=1, max_size=300), st.integers(0, 3))
+def test_a_sealed_column_split_into_byte_planes_is_one_plain_zstd_frame_never_larger_than_one_block(values, repeat):
+    import zstandard
+
+    from gpudiag.agent.store import _compress, _compress_parts, _encode_plain
+
+    a = np.repeat(np.array(values, dtype=np.int64), repeat + 1)  # runs of equal values too
+    _, parts = _encode_plain(a)
+    frame = _compress_parts(parts, len(a), 3, True)
+    assert zstandard.ZstdDecompressor().decompress(frame) == b"".join(parts)  # as any zstd reader reads it
+    assert len(frame) <= len(_compress(b"".join(parts), 3))
+
+
 def test_values_that_do_not_follow_each_other_are_stored_as_themselves_not_as_steps(monkeypatch):
     # One row per request: token counts and latencies of unrelated requests. As steps they take a
     # sign and about a bit more per value than as values less their minimum.
@@ -307,6 +335,172 @@ def test_a_long_dictionary_of_strings_is_front_coded_and_reads_back_exactly(valu
     table = _window_table([block], T0 - 1, T0 + n, None)
     codes, uniques = table.codes("request_id")  # as the window's readers see a label column
     assert [uniques[c] if c >= 0 else None for c in codes.tolist()] == ids
+
+
+def _request_ids(style: str, n: int, seed: int) -> list[str]:
+    """Request ids as engines make them: the bench's req-GPU-COUNTER-HEX, vLLM's cmpl-<uuid4 hex>,
+    chatcmpl-<uuid4 with dashes>."""
+    import uuid
+
+    rng = np.random.default_rng(seed)
+    if style == "req":
+        counters = [0] * 8
+        ids = []
+        for g in rng.integers(0, 8, n).tolist():
+            counters[g] += 1
+            ids.append(f"req-{g}-{counters[g]}-{int(rng.integers(2**32)):08x}")
+        return ids
+    uuids = [uuid.UUID(bytes=rng.bytes(16), version=4) for _ in range(n)]
+    return [f"cmpl-{u.hex}" for u in uuids] if style == "cmpl" else [f"chatcmpl-{u}" for u in uuids]
+
+
+@pytest.mark.parametrize("style, factor", [("req", 0.8), ("cmpl", 0.85), ("chatcmpl", 0.8)])
+def test_a_dictionary_of_request_ids_is_stored_as_fields_in_a_fraction_of_front_codings_bytes(style, factor,
+                                                                                           monkeypatch):
+    from gpudiag.agent import store
+
+    n = 5000
+    ids = _request_ids(style, n, 11)
+    columns = {"t": T0 + np.arange(n) / 80, "request_id": np.array(ids, dtype=object)}
+    block = encode_block(columns, n)
+    meta = next(m for m in _header(block, expand=False)["columns"] if m["name"] == "request_id")
+    assert "fields" in meta and "front" not in meta and "values" not in meta
+    assert [f["codec"] for f in meta["fields"]] == {"req": ["str", "int", "str", "int", "str", "hex"],
+                                                    "cmpl": ["str", "hex"],
+                                                    "chatcmpl": ["str"] + ["hex", "str"] * 4 + ["hex"]}[style]
+    assert decode_block(block)[1]["request_id"].tolist() == ids
+    if style == "cmpl":
+        assert len(block) < 16.5 * n  # a uuid4 costs its 16 bytes, not its 32 hex digits
+    monkeypatch.setattr(store, "FIELDS_GAIN", 0.0)  # front coding only, as before
+    front = encode_block(columns, n)
+    assert len(block) <= factor * len(front)
+
+
+def _assert_every_reader_gives_back(columns: dict, n: int, block: bytes) -> None:
+    """decode_block, decode_table and a window read (of the block and of its zlib twin) give back ``request_id``."""
+    from gpudiag.agent.store import _window_table, decode_table
+
+    ids = columns["request_id"].tolist()
+    for data in (block, as_zlib_block(block)):
+        assert decode_block(data)[1]["request_id"].tolist() == ids
+        assert [_none_for_nan(v) for v in decode_table(data).columns["request_id"].tolist()] == ids
+        table = _window_table([data], T0 - 1, T0 + n, None)
+        codes, uniques = table.codes("request_id")  # as the window's readers see a label column
+        assert [uniques[c] if c >= 0 else None for c in codes.tolist()] == ids
+        assert [_none_for_nan(v) for v in table.columns["request_id"].tolist()] == ids
+
+
+def _none_for_nan(v):
+    return None if isinstance(v, float) and math.isnan(v) else v
+
+
+def _with_fields_forced(values: list[str], data) -> tuple[dict, int, bytes, dict]:
+    """A block of ``values`` (then a few again, and missing ones) with fields wherever the strings split into them."""
+    from gpudiag.agent import store
+
+    picks = values + data.draw(st.lists(st.sampled_from(values), min_size=5, max_size=5))
+    ids: list = []
+    for i, v in enumerate(picks):
+        ids += [None, v] if i % 17 == 3 else [v]
+    n = len(ids)
+    columns = {"t": T0 + np.arange(n, dtype=float), "gpu": np.arange(n, dtype=np.int64) % 2,
+               "request_id": np.array(ids, dtype=object)}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(store, "FIELDS_GAIN", math.inf)  # fields wherever the strings have them
+        block = encode_block(columns, n)
+    meta = next(m for m in _header(block, expand=False)["columns"] if m["name"] == "request_id")
+    return columns, n, block, meta
+
+
+_NOT_ALNUM = st.characters(exclude_characters="0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+_ID_PIECES = st.one_of(
+    st.tuples(st.just("text"), st.text(min_size=1, max_size=4)),  # the same in every id: any characters
+    st.tuples(st.just("sep"), st.text(_NOT_ALNUM, min_size=1, max_size=3)),
+    st.tuples(st.just("number"), st.integers(0, 10**19)),
+    st.tuples(st.just("padded"), st.integers(1, 20)),  # zero-padded to a width
+    st.tuples(st.just("hex"), st.integers(1, 33), st.booleans()),  # a length, upper case
+    st.tuples(st.just("word"), st.lists(st.text("gkxyzGKXYZ", min_size=1, max_size=5), min_size=1, max_size=4)),
+    st.tuples(st.just("word"), st.lists(st.text(_NOT_ALNUM, min_size=1, max_size=3), min_size=1, max_size=4)),
+)
+
+
+def _id_of(piece: tuple, counter: int, rng) -> str:
+    kind = piece[0]
+    if kind in ("text", "sep"):
+        return piece[1]
+    if kind == "number":
+        return str(rng.randint(0, piece[1]))
+    if kind == "padded":
+        return str(rng.randint(0, 10 ** piece[1] - 1)).zfill(piece[1])
+    if kind == "hex":
+        digits = "".join(rng.choice("0123456789abcdef") for _ in range(piece[1]))
+        return digits.upper() if piece[2] else digits
+    if kind == "word":
+        return rng.choice(piece[1])
+    return str(counter)
+
+
+@st.composite
+def _id_shaped(draw) -> list[str]:
+    """64 to 150 distinct strings of one shape: pieces (the same text, numbers, zero-padded numbers, hex digits
+    of one length, words, separators) around a counter between two separators, neighbouring pieces running
+    together."""
+    import random
+
+    template = draw(st.lists(_ID_PIECES, max_size=4)) + [("sep", draw(st.text(_NOT_ALNUM, min_size=1, max_size=2))),
+                                                         ("counter",),
+                                                         ("sep", draw(st.text(_NOT_ALNUM, min_size=1, max_size=2)))]
+    template += draw(st.lists(_ID_PIECES, max_size=4))
+    rng = random.Random(draw(st.integers(0, 2**32)))
+    start = draw(st.integers(0, 10**6))
+    values = ["".join(_id_of(p, start + i, rng) for p in template) for i in range(draw(st.integers(64, 150)))]
+    return list(dict.fromkeys(values))
+
+
+@settings(max_examples=60, deadline=None)
+@given(_id_shaped(), st.data())
+def test_id_shaped_strings_are_stored_as_fields_and_read_back_exactly(values, data):
+    columns, n, block, meta = _with_fields_forced(values, data)
+    assert "fields" in meta and "int" in [f["codec"] for f in meta["fields"]]  # the counter, at least
+    _assert_every_reader_gives_back(columns, n, block)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.text(), min_size=64, max_size=120, unique=True), st.data())
+def test_any_long_dictionary_of_strings_reads_back_exactly_as_fields_or_front_coded(values, data):
+    from gpudiag.agent.store import _split_fields
+
+    columns, n, block, meta = _with_fields_forced(values, data)
+    assert ("fields" in meta) == (_split_fields(values) is not None)
+    assert ("front" in meta) == ("fields" not in meta)
+    _assert_every_reader_gives_back(columns, n, block)
+
+
+@pytest.mark.parametrize("values, fields", [
+    (["007", "010", "123"], [("int", {"pad": 3})]),
+    (["7", "10", "0"], [("int", {})]),
+    (["07", "100"], None),  # a leading zero in runs of different widths: text
+    (["1234abcd", "12345678"], [("hex", {"len": 8, "upper": False})]),  # hex digits that happen to be decimal
+    (["ABCDEF01", "12345678"], [("hex", {"upper": True})]),
+    (["AbCd", "abcd"], None),  # both cases in one run position: text
+    (["a1f", "0b2", "123"], [("hex", {"len": 3})]),  # an odd number of hex digits
+    (["12345678901234567890", "98765432109876543210"], [("hex", {"len": 20})]),  # past int64
+    (["ü-1", "ü-22", "ü-3"], [("str", {"values": ["ü-"]}), ("int", {})]),
+    (["", "a-1"], None),  # the empty string has no runs
+    (["x1y", "x2y"], None),  # letters and digits in one run
+    (["g\n1", "h\n2"], [("str", {"values": ["g\n", "h\n"]}), ("int", {})]),
+    (["-5", "-6"], [("str", {"values": ["-"]}), ("int", {})]),
+])
+def test_a_dictionary_splits_into_fields_exactly_where_every_string_has_the_same_runs(values, fields):
+    from gpudiag.agent.store import _join_fields, _split_fields
+
+    split = _split_fields(values)
+    if fields is None:
+        assert split is None
+        return
+    metas = json.loads(json.dumps(split[0]))  # as a block header holds them
+    assert [(m["codec"], {k: m[k] for k in want}) for m, (_, want) in zip(metas, fields)] == fields
+    assert _join_fields(metas, split[1], len(values)) == values
 
 
 def _request_rows(n: int, seed: int, e2e_of) -> dict:
@@ -529,7 +723,7 @@ def test_a_schema_1_store_is_readable_and_migrated_on_the_first_write_open(tmp_p
         meta = store.meta()
         assert meta["schema_version"] == SCHEMA_VERSION
         assert [m["name"] for m in meta["migrations"]] == ["initial", "findings_entity", "zstd_chunks", "zigzag_ints",
-                                                   "reference_ints"]
+                                                   "reference_ints", "dictionary_fields"]
         assert len(store.window(-math.inf, math.inf).table("gpu")) == 20
         old = store.window(-math.inf, math.inf).table("gpu")
         assert [f["kind"] for f in store.findings(-math.inf, math.inf, gpu=1)] == ["cpu_starved"]
