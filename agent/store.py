@@ -844,7 +844,7 @@ def _join_fields(fields: list[dict], parts: list, count: int) -> list[str]:
     for meta, part in zip(fields, parts):
         codec = meta["codec"]
         if codec == "str":
-            codes = _unshuffle(part, np.dtype(f"<i{meta['width']}"), count)
+            codes = _codes(part, meta["width"], count, len(meta["values"]))
             pieces.append(_label_lookup(meta["values"], None)[codes].tolist())
         elif codec == "int":
             ints = _decode_ints(meta, part, count).tolist()
@@ -992,6 +992,16 @@ class _Cursor:
         return part
 
 
+def _codes(part, width: int, n: int, size: int) -> np.ndarray:
+    """The codes of a coded column into a list of ``size`` entries (-1: missing); ValueError where one points
+    outside it, which only a damaged block holds (a code one past the end would read as missing, and
+    further ones as another row's value)."""
+    codes = _unshuffle(part, np.dtype(f"<i{width}"), n)
+    if len(codes) and (int(codes.min()) < -1 or int(codes.max()) >= size):
+        raise ValueError(f"codes outside a list of {size} entries")
+    return codes
+
+
 def _label_lookup(values: list, missing=_NAN) -> np.ndarray:
     """Code -> value object array of a coded column; code -1 (the last entry) reads as ``missing``."""
     lookup = np.empty(len(values) + 1, dtype=object)
@@ -1030,7 +1040,7 @@ def _decode_column(meta: dict, cur: _Cursor, n: int, labels: dict | None = None,
     codec = meta["codec"]
     parts = [cur.take(size) for size in meta["sizes"]]
     if codec == "dict":
-        codes = _unshuffle(parts[0], np.dtype(f"<i{meta['width']}"), n).astype(np.int32)
+        codes = _codes(parts[0], meta["width"], n, len(meta["layouts"])).astype(np.int32)
         leaves, ints = {}, set()
         for leaf in meta["leaves"]:
             path = tuple(leaf["path"])
@@ -1055,7 +1065,7 @@ def _decode_column(meta: dict, cur: _Cursor, n: int, labels: dict | None = None,
         out[:] = None
         return out
     values = _dictionary(meta, parts) if codec == "str" else [json.loads(v) for v in meta["values"]]
-    codes = _unshuffle(parts[0], np.dtype(f"<i{meta['width']}"), n)
+    codes = _codes(parts[0], meta["width"], n, len(values))
     as_labels = labels is not None and codec == "str"
     if as_labels:
         labels[meta["name"]] = (codes, values)
@@ -1316,7 +1326,8 @@ class _WindowBlock:
         if meta["codec"] == "str":
             cur = _Cursor(data, 0)
             parts = [cur.take(size) for size in meta["sizes"]]
-            return _unshuffle(parts[0], np.dtype(f"<i{meta['width']}"), self.n), _dictionary(meta, parts)
+            values = _dictionary(meta, parts)
+            return _codes(parts[0], meta["width"], self.n, len(values)), values
         parts_of = tuple(self.stored(p) if p in self.metas else None for p in meta["of"]) if "of" in meta else None
         return _decode_column(meta, _Cursor(bytes(data) if meta["codec"] == "jsonlist" else data, 0), self.n,
                               parts_of=parts_of)

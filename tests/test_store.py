@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import sqlite3
+import struct
 import subprocess
 import sys
 import tempfile
@@ -793,13 +794,28 @@ def _store_with_a_damaged_chunk(tmp_path, damage) -> str:
     return path
 
 
-@pytest.mark.parametrize("damage", ["truncated", "scribbled", "unknown magic", "truncated zlib"])
+def _short_dictionaries(data: bytes) -> bytes:
+    """A frame block whose string columns' dictionaries each lost their last value: codes point past them."""
+    import zstandard
+
+    (head_z,) = struct.unpack("<I", data[4:8])
+    header = json.loads(zstandard.ZstdDecompressor().decompress(data[8:8 + head_z]))
+    for meta in header["columns"]:
+        if meta["codec"] == "str" and meta.get("values"):
+            meta["values"] = meta["values"][:-1]
+    head = zstandard.ZstdCompressor().compress(json.dumps(header).encode())
+    return data[:4] + struct.pack("<I", len(head)) + head + data[8 + head_z:]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "scribbled", "unknown magic", "truncated zlib",
+                                    "short dictionary"])
 def test_a_damaged_chunk_is_one_error_line_and_the_store_keeps_its_other_chunks(tmp_path, damage):
     path = _store_with_a_damaged_chunk(tmp_path, {
         "truncated": lambda data: data[:len(data) // 2],
         "scribbled": lambda data: data[:8] + bytes(b ^ 0x5A for b in data[8:]),
         "unknown magic": lambda data: b"GDB9" + data[4:],
         "truncated zlib": lambda data: as_zlib_block(data)[:-40],
+        "short dictionary": _short_dictionaries,
     }[damage])
     with Store.open(path, readonly=True) as reader:
         with pytest.raises(GpudiagError, match="damaged chunk") as err:
