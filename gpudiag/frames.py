@@ -1436,6 +1436,17 @@ class _GroupLayout:
             self._plan()
         out = np.empty(int(self.starts[-1]), dtype=col.dtype)
         starts = self.starts
+        for first, base, stride, n, picks in self.matrices:
+            # Groups sampled once every ``stride`` rows: columns of the (n x stride) matrix those rows
+            # make, transposed a block of rows at a time; a last row the column ends within is picked.
+            dest = out[first:first + len(picks) * n].reshape(len(picks), n)
+            full = min(n, (len(col) - base) // stride)
+            rows = max(1, self.BLOCK_ROWS // stride)
+            for a in range(0, full, rows):
+                e = min(a + rows, full)
+                dest[:, a:e] = col[base + a * stride:base + e * stride].reshape(e - a, stride)[:, picks].T
+            for a in range(full, n):
+                dest[:, a] = col[base + a * stride + picks]
         for g in self.whole:
             np.take(col, self.parts[g], out=out[starts[g]:starts[g + 1]])
         for j in range(self.blocks):  # block j of every group together: rows j*BLOCK_ROWS onwards
@@ -1460,14 +1471,46 @@ class _GroupLayout:
         self.blocks = max([-(-rows // self.BLOCK_ROWS), 1] + [-(-len(self.parts[g]) // k) for g, k in pieces.items()])
         edges = np.arange(self.blocks + 1, dtype=np.int64) * self.BLOCK_ROWS
         self.whole, self.strided, self.scattered = [], [], []
+        self.matrices, in_matrix = self._matrices()
         for g, (part, step) in enumerate(zip(self.parts, self.steps)):
             at = int(self.starts[g])
+            if g in in_matrix:
+                continue
             if step is not False:
                 self.strided.append((at, step.start, step.step, len(part), pieces[g]))
             elif len(part) > 4096:
                 self.scattered.append((at, part, np.searchsorted(part, edges, side="left")))
             else:
                 self.whole.append(g)
+
+
+    def _matrices(self) -> tuple[list[tuple], set[int]]:
+        """Runs of consecutive groups read as one matrix: each group evenly spaced with the same step
+        and length, all starting within one step of the first (one entity per row of every tick)."""
+        spacing = []
+        for part in self.parts:
+            n = len(part)
+            step = int(part[1] - part[0]) if n > 1 else 0
+            even = step > 0 and int(part[-1]) == int(part[0]) + step * (n - 1) and (np.diff(part) == step).all()
+            spacing.append((step, n) if even else None)
+        runs: list[tuple] = []
+        taken: set[int] = set()
+        g, count = 0, len(self.parts)
+        while g < count:
+            if spacing[g] is None:
+                g += 1
+                continue
+            stride, _ = spacing[g]
+            e = g + 1
+            while e < count and e - g < stride and spacing[e] == spacing[g]:
+                e += 1
+            firsts = np.array([int(self.parts[j][0]) for j in range(g, e)], dtype=np.int64)
+            base = int(firsts.min())
+            if e - g > 1 and int(firsts.max()) - base < stride:
+                runs.append((int(self.starts[g]), base, stride, spacing[g][1], firsts - base))
+                taken.update(range(g, e))
+            g = e
+        return runs, taken
 
 
 class Rows:

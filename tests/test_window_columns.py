@@ -374,15 +374,22 @@ def test_trailing_window_starts_are_the_exact_sorted_search(shape):
         assert np.array_equal(common.trailing_start(t, w), np.searchsorted(t, t - w, side="left")), w
 
 
-def test_a_group_copy_reaches_the_last_piece_of_every_slice_whatever_order_the_groups_come_in(monkeypatch):
+@pytest.mark.parametrize("as_matrix", [False, True])
+def test_a_group_copy_reaches_the_last_piece_of_every_slice_whatever_order_the_groups_come_in(monkeypatch,
+                                                                                             as_matrix):
     # Eleven entities every tick and one slot that either of two others takes: 12 rows a tick, so
     # the eleven are slices of step 12, and 83 of their rows fill a 1000-row block, not 83.3: the
     # slices need one block more than the table's rows, and the two uneven groups sort before some.
+    # As a matrix, the eleven slices are columns of (ticks x 12) rows; with the shared slot first in
+    # each tick they start at row 1, so the matrix's last row ends past the column's.
     monkeypatch.setattr(_GroupLayout, "BLOCK_ROWS", 1000)
+    if not as_matrix:
+        monkeypatch.setattr(_GroupLayout, "_matrices", lambda self: ([], set()))
     rng = np.random.default_rng(7)
     gpus, pids, vs = [], [], []
     for _ in range(10_000):
-        for e in list(range(11)) + [11 + int(rng.integers(0, 2))]:
+        slot = [11 + int(rng.integers(0, 2))]
+        for e in (slot + list(range(11)) if as_matrix else list(range(11)) + slot):
             gpus.append(0 if e >= 11 else 1 + e % 2), pids.append(e), vs.append(float(rng.random()))
     table = Table(len(vs), {"t": np.repeat(np.arange(10_000.0), 12), "gpu": np.array(gpus), "pid": np.array(pids),
                             "v": np.array(vs)})
@@ -391,5 +398,10 @@ def test_a_group_copy_reaches_the_last_piece_of_every_slice_whatever_order_the_g
     for (key, rows), part in zip(entities, plain.groups(("gpu", "pid"))[1]):
         assert np.array_equal(rows["v"].to_numpy(), table.columns["v"][part]), key
     layout = entities[0][1]._layout[0]
-    assert len(layout.scattered) == 2 and len(layout.strided) == 11
-    assert layout.blocks > -(-table.n // 1000)
+    if as_matrix:
+        assert len(layout.scattered) == 2 and not layout.strided
+        assert [len(picks) for *_, picks in layout.matrices] == [11]
+        assert any(base + stride * n > table.n for _, base, stride, n, _ in layout.matrices)
+    else:
+        assert len(layout.scattered) == 2 and len(layout.strided) == 11
+        assert layout.blocks > -(-table.n // 1000)
