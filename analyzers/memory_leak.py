@@ -111,7 +111,7 @@ def analyze(window: Window) -> list[Finding]:
             load_flat, load, running = _load_at(held[0], t)
             fit = _regressors(t, running) if running is not None and load_flat else None
             held[1], held[2] = t, (load_flat, load, running, fit)
-        outside_kv = _outside_kv(p, t, white, held[3])
+        outside_kv = _outside_kv(p, label_int(key.get("pid")), t, white, held[3])
         verdict = _leaking_layer(t, white, grey, black, load_flat, running, fit, outside_kv)
         if verdict is None:
             continue
@@ -171,28 +171,35 @@ def _col(p, column):
     return p[column].to_numpy(float)
 
 
-def _engine_kv(e) -> tuple[set, np.ndarray, np.ndarray] | None:
-    """(engine names, sample times, KV bytes allocated to requests) of one GPU's engine rows; None without."""
-    if e.empty or M.engine_kv_reserved_bytes not in e or "engine" not in e:
+def _engine_kv(e) -> tuple[set, set, np.ndarray, np.ndarray] | None:
+    """(engine names, engine pids, sample times, KV bytes allocated to requests) of one GPU's engine rows;
+    None without."""
+    if e.empty or M.engine_kv_reserved_bytes not in e or ("engine" not in e and "pid" not in e):
         return None
     e = e[e[M.engine_kv_reserved_bytes].notna()]
     if e.empty:
         return None
-    return set(e["engine"].dropna().tolist()), e["t"].to_numpy(float), e[M.engine_kv_reserved_bytes].to_numpy(float)
+    names = set(e["engine"].dropna().tolist()) if "engine" in e else set()
+    pids = {label_int(v) for v in dict.fromkeys(e["pid"].dropna().tolist())} if "pid" in e else set()
+    return names, pids, e["t"].to_numpy(float), e[M.engine_kv_reserved_bytes].to_numpy(float)
 
 
-def _outside_kv(p, t, white, kv) -> np.ndarray | None:
+def _outside_kv(p, pid, t, white, kv) -> np.ndarray | None:
     """The engine process' allocated bytes less its KV (None for any other process, or KV not inside them).
 
     KV is the engine's working set: it grows with the tokens held, which the running count
     does not measure (a few long sequences hold as much as many short ones); a leak is
     memory the engine does not account for. The engine's process is the one named as the
-    engine, and its KV must fit in its allocated bytes at every sample, else it is not there.
+    engine: the pid its rows state (NVML names a vLLM server "python3"), else the one named as the
+    engine; its KV must fit in its allocated bytes at every sample, else it is not there.
     """
-    if kv is None or white is None or "process" not in p:
+    if kv is None or white is None:
         return None
-    names, te, v = kv
-    if not set(p["process"].dropna().tolist()) & names:
+    names, pids, te, v = kv
+    if pids:
+        if pid not in pids:
+            return None
+    elif "process" not in p or not set(p["process"].dropna().tolist()) & names:
         return None
     at = np.interp(t, te, v)
     outside = white - at

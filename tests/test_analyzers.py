@@ -122,10 +122,12 @@ def test_a_leak_among_many_still_processes_is_found_and_only_the_still_ones_are_
     assert f.pid == ENGINE_PID and f.details["layer"] == "allocated"
 
 
-def kv_window(kv, leak=lambda t: 0.0, n=900):
-    """The engine's process: allocated = weights + its KV (+ a leak); the running count wanders, flat."""
+def kv_window(kv, leak=lambda t: 0.0, n=900, process=ENGINE, engine_pid=None):
+    """The engine's process: allocated = weights + its KV (+ a leak); the running count wanders, flat.
+
+    ``process``: the name its process rows carry; ``engine_pid``: the pid its engine rows state."""
     white = lambda t: 14 * GiB + kv(t) + leak(t)  # noqa: E731
-    proc = process_rows(n, **{M.process_torch_allocated_bytes: lambda t: white(t) + jitter(t),
+    proc = process_rows(n, process=process, **{M.process_torch_allocated_bytes: lambda t: white(t) + jitter(t),
                               M.process_torch_reserved_bytes: lambda t: white(t) + 2 * GiB + jitter(t),
                               M.process_gpu_memory_bytes: lambda t: white(t) + 3 * GiB + jitter(t)})
     gpu = gpu_rows(n, **{M.gpu_memory_total_bytes: 80 * GiB,
@@ -133,6 +135,8 @@ def kv_window(kv, leak=lambda t: 0.0, n=900):
     eng = engine_rows(n, **{M.num_requests_running: noise(3, 6.0), M.engine_kv_reserved_bytes: kv})
     for r in eng:
         r[M.num_requests_running] = 100.0 + r[M.num_requests_running]
+        if engine_pid is not None:
+            r["pid"] = engine_pid
     return window(process=proc, gpu=gpu, engine=eng)
 
 
@@ -140,6 +144,19 @@ def test_kv_growing_with_the_tokens_held_at_a_flat_running_count_is_not_a_leak()
     # Long sequences arrive: as many requests run, but each holds more KV (SCENARIOS.md §1's long phase).
     w = kv_window(kv=lambda t: 10 * GiB + 3 * MiB * t)
     assert not [f for f in memory_leak.analyze(w) if f.kind == "memory_leak"]
+
+
+def test_the_engine_process_is_the_pid_its_engine_rows_state_whatever_nvml_names_it():
+    # NVML names a vLLM server "python3": its KV growing is still the engine's KV, by pid.
+    growing = lambda t: 10 * GiB + 3 * MiB * t  # noqa: E731
+    assert not [f for f in memory_leak.analyze(kv_window(growing, process="python3", engine_pid=ENGINE_PID))
+                if f.kind == "memory_leak"]
+    f = only(memory_leak.analyze(kv_window(growing, leak=lambda t: 2 * MiB * t, process="python3",
+                                           engine_pid=ENGINE_PID)), "memory_leak")
+    assert f.details["engine_kv_excluded"]
+    assert f.details["growth_bytes_per_second"] == pytest.approx(2 * MiB, rel=0.1)
+    # Engine rows that name another pid: this process' growth is its own.
+    assert only(memory_leak.analyze(kv_window(growing, engine_pid=ENGINE_PID + 1)), "memory_leak")
 
 
 def test_a_tensor_leak_on_top_of_growing_kv_is_still_found_outside_the_kv():
