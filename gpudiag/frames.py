@@ -1483,7 +1483,6 @@ class _GroupLayout:
             else:
                 self.whole.append(g)
 
-
     def _matrices(self) -> tuple[list[tuple], set[int]]:
         """Runs of consecutive groups read as one matrix: each group evenly spaced with the same step
         and length, all starting within one step of the first (one entity per row of every tick)."""
