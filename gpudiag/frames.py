@@ -1350,12 +1350,22 @@ class TableBuffer:
 # --- DataFrame-like views ------------------------------------------------------------------------
 
 
-def _even_slice(idx: np.ndarray) -> slice | bool:
-    """``idx`` as a slice when it is long and evenly spaced (an entity sampled every tick), else False."""
+def _even_step(idx: np.ndarray) -> int:
+    """The step between positions ``idx`` when they are evenly spaced (an entity sampled every tick), else 0."""
     n = len(idx)
-    if n > 1024:  # a slice reads such an entity twice as fast as an index array
-        step = int(idx[1] - idx[0])
-        if step > 0 and int(idx[-1]) == int(idx[0]) + step * (n - 1) and (np.diff(idx) == step).all():
+    if n < 2:
+        return 0
+    step = int(idx[1] - idx[0])
+    if step > 0 and int(idx[-1]) == int(idx[0]) + step * (n - 1) and (np.diff(idx) == step).all():
+        return step
+    return 0
+
+
+def _even_slice(idx: np.ndarray, step: int | None = None) -> slice | bool:
+    """``idx`` as a slice when it is long and evenly spaced, else False (``step``: its :func:`_even_step`)."""
+    if len(idx) > 1024:  # a slice reads such an entity twice as fast as an index array
+        step = _even_step(idx) if step is None else step
+        if step:
             return slice(int(idx[0]), int(idx[-1]) + 1, step)
     return False
 
@@ -1464,14 +1474,16 @@ class _GroupLayout:
     def _plan(self) -> None:
         """How each group is copied: evenly spaced ones as slices, long uneven ones cut at the block
         edges (their rows of one block read together), short ones at once."""
-        self.steps = [_even_slice(p) for p in self.parts]
+        even = [_even_step(p) for p in self.parts]
+        self.matrices, in_matrix = self._matrices(even)
+        self.steps = [_even_slice(p, step) for p, step in zip(self.parts, even)]
         rows = max((int(p[-1]) + 1 for p in self.parts if len(p)), default=0)
-        pieces = {g: max(self.BLOCK_ROWS // step.step, 1) for g, step in enumerate(self.steps) if step is not False}
+        pieces = {g: max(self.BLOCK_ROWS // step.step, 1) for g, step in enumerate(self.steps)
+                  if step is not False and g not in in_matrix}
         # Blocks enough for the table's rows and for every slice's pieces (k per block, the last may start later).
         self.blocks = max([-(-rows // self.BLOCK_ROWS), 1] + [-(-len(self.parts[g]) // k) for g, k in pieces.items()])
         edges = np.arange(self.blocks + 1, dtype=np.int64) * self.BLOCK_ROWS
         self.whole, self.strided, self.scattered = [], [], []
-        self.matrices, in_matrix = self._matrices()
         for g, (part, step) in enumerate(zip(self.parts, self.steps)):
             at = int(self.starts[g])
             if g in in_matrix:
@@ -1483,15 +1495,11 @@ class _GroupLayout:
             else:
                 self.whole.append(g)
 
-    def _matrices(self) -> tuple[list[tuple], set[int]]:
-        """Runs of consecutive groups read as one matrix: each group evenly spaced with the same step
-        and length, all starting within one step of the first (one entity per row of every tick)."""
-        spacing = []
-        for part in self.parts:
-            n = len(part)
-            step = int(part[1] - part[0]) if n > 1 else 0
-            even = step > 0 and int(part[-1]) == int(part[0]) + step * (n - 1) and (np.diff(part) == step).all()
-            spacing.append((step, n) if even else None)
+    def _matrices(self, even: list[int]) -> tuple[list[tuple], set[int]]:
+        """Runs of consecutive groups read as one matrix: each group evenly spaced (``even``: the steps of
+        :func:`_even_step`) with the same step and length, all starting within one step of the first
+        (one entity per row of every tick)."""
+        spacing = [(step, len(part)) if step else None for part, step in zip(self.parts, even)]
         runs: list[tuple] = []
         taken: set[int] = set()
         g, count = 0, len(self.parts)

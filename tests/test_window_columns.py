@@ -384,7 +384,7 @@ def test_a_group_copy_reaches_the_last_piece_of_every_slice_whatever_order_the_g
     # each tick they start at row 1, so the matrix's last row ends past the column's.
     monkeypatch.setattr(_GroupLayout, "BLOCK_ROWS", 1000)
     if not as_matrix:
-        monkeypatch.setattr(_GroupLayout, "_matrices", lambda self: ([], set()))
+        monkeypatch.setattr(_GroupLayout, "_matrices", lambda self, even: ([], set()))
     rng = np.random.default_rng(7)
     gpus, pids, vs = [], [], []
     for _ in range(10_000):
