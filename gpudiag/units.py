@@ -21,9 +21,13 @@ def fmt_bytes(n: float | None) -> str:
 
 
 def fmt_seconds(s: float | None) -> str:
-    """0.0123 -> '12.3 ms'; 95 -> '1m35s'."""
+    """0.0123 -> '12.3 ms'; 95 -> '1m35s'; 0 -> '0 s'; -2.5 -> '-2.50 s'."""
     if s is None or (isinstance(s, float) and math.isnan(s)):
         return "n/a"
+    if s == 0:
+        return "0 s"
+    if s < 0:
+        return "-" + fmt_seconds(-s)
     if s < 1e-3:
         return f"{s * 1e6:.0f} µs"
     if s < 1:
