@@ -389,7 +389,8 @@ def service(runbook_base_url: str = DEFAULT_RUNBOOK_BASE_URL) -> dict:
     for title, column in (("Time to first token", M.time_to_first_token_seconds),
                           ("Inter-token latency", M.inter_token_latency_seconds),
                           ("End-to-end latency", M.e2e_request_latency_seconds),
-                          ("Queue time", M.request_queue_time_seconds)):
+                          ("Queue time", M.request_queue_time_seconds),
+                          ("Prefill time", M.request_prefill_time_seconds)):
         b.panel(f"{title} P50 / P99 / P99.9", help_of(column), unit(column), _quantile_targets(column))
     b.panel("Latency distribution (inter-token)", "Heatmap of the inter-token latency histogram. "
             + help_of(M.inter_token_latency_seconds), unit(M.inter_token_latency_seconds),

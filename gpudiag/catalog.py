@@ -178,6 +178,9 @@ METRICS: tuple[Metric, ...] = (
     _m("e2e_request_latency_seconds", HISTOGRAM, "seconds", "End-to-end request latency.", _E, "request", "vllm"),
     _m("request_queue_time_seconds", HISTOGRAM, "seconds", "Time a request waited before its first prefill.",
        _E, "request", "vllm"),
+    _m("request_prefill_time_seconds", HISTOGRAM, "seconds",
+       "Time from a request's first scheduling to its first token (its prefill); TTFT is queue time plus this.",
+       _E, "request", "vllm"),
     # --- Requests by context length, gpudiag's own (vLLM's histograms carry no such label) ---
     _m("request_time_to_first_token_seconds", HISTOGRAM, "seconds",
        "Time to first token by context_bucket (prompt + output tokens of the request).",

@@ -54,7 +54,7 @@ def run(scenario: Scenario, fix: str | None, seed: int, *, overrides: Callable |
 
 
 def slo(requests: pd.DataFrame) -> dict[str, float | None]:
-    """TTFT, TPOT and e2e percentiles of a set of finished requests (seconds)."""
+    """TTFT, TPOT, e2e, queue and prefill time percentiles of a set of finished requests (seconds)."""
     def p(col, q):
         if requests.empty or col not in requests:
             return None
@@ -68,6 +68,10 @@ def slo(requests: pd.DataFrame) -> dict[str, float | None]:
         "tpot_p99_s": p(M.inter_token_latency_seconds, 99),
         "tpot_p999_s": p(M.inter_token_latency_seconds, 99.9),
         "e2e_p99_s": p(M.e2e_request_latency_seconds, 99),
+        # TTFT = queue time + prefill time: which of the two grew says whether requests waited
+        # for room (memory, batch slots) or their prefill itself got slower.
+        "queue_p99_s": p(M.request_queue_time_seconds, 99),
+        "prefill_p99_s": p(M.request_prefill_time_seconds, 99),
     }
 
 

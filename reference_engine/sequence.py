@@ -60,7 +60,7 @@ class Sequence:
         return self.prompt_tokens + self.max_output_tokens
 
     def latencies(self) -> dict[str, float]:
-        """TTFT, TPOT, e2e and queue time of a finished sequence (seconds)."""
+        """TTFT, TPOT, e2e, queue and prefill time of a finished sequence (seconds)."""
         ttft = self.first_token_s - self.arrival_s
         e2e = self.finish_s - self.arrival_s
         tpot = (self.finish_s - self.first_token_s) / (self.generated - 1) if self.generated > 1 else 0.0
@@ -69,4 +69,5 @@ class Sequence:
             "inter_token_latency_seconds": tpot,
             "e2e_request_latency_seconds": e2e,
             "request_queue_time_seconds": self.first_scheduled_s - self.arrival_s,
+            "request_prefill_time_seconds": self.first_token_s - self.first_scheduled_s,
         }

@@ -1,8 +1,10 @@
 """SCENARIOS.md §1 on the simulated GPU: the storm emerges from the mechanism, and paged KV removes it."""
 
+import numpy as np
 import pytest
 
 from gpudiag import repro
+from gpudiag.catalog import M
 from gpudiag.reference_engine import scenarios
 
 
@@ -45,6 +47,19 @@ def test_decode_latency_rises_while_time_to_first_token_stays_near_normal(storm)
     assert during["tpot_p999_s"] >= 1.7 * before["tpot_p999_s"]
     assert during["ttft_p50_s"] <= 1.5 * before["ttft_p50_s"]
     assert ph["after"]["slo"]["tpot_p50_s"] <= 1.1 * before["tpot_p50_s"]
+
+
+def test_what_rises_in_time_to_first_token_is_queue_time_the_prefill_itself_stays_near_normal(storm):
+    # The field: "prefill times stay normal". TTFT splits into the wait for room and the prefill;
+    # in the storm the wait is what grows.
+    res, doc = storm
+    req = res.window.table("request")
+    split = req[M.request_queue_time_seconds] + req[M.request_prefill_time_seconds]
+    assert np.allclose(split, req[M.time_to_first_token_seconds], atol=1e-9)
+    ph = phases(doc)
+    before, during = ph["before"]["slo"], ph["during"]["slo"]
+    assert during["prefill_p99_s"] <= 2.0 * before["prefill_p99_s"]
+    assert during["queue_p99_s"] >= 10 * before["queue_p99_s"]
 
 
 def test_fragmentation_is_found_with_a_failed_request_larger_than_the_largest_hole(storm):
@@ -120,7 +135,8 @@ def test_the_document_has_the_documented_schema(storm):
     _, doc = storm
     for key in ("scenario", "fix", "seed", "slo", "phases", "totals", "findings"):
         assert key in doc
-    slo_keys = {"ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "tpot_p999_s", "e2e_p99_s"}
+    slo_keys = {"ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "tpot_p999_s", "e2e_p99_s",
+                "queue_p99_s", "prefill_p99_s"}
     assert slo_keys <= set(doc["slo"])
     assert [p["name"] for p in doc["phases"]] == ["before", "during", "after"]
     for p in doc["phases"]:

@@ -183,6 +183,7 @@ def test_a_prompt_comes_back_as_text_tokens_and_timings(served):
     assert out["prompt_tokens"] == len(b"The GPU is") + 1  # bytes after BOS
     t = out["timings"]
     assert 0 <= t["queue_s"] <= t["ttft_s"] <= t["e2e_s"] and t["tpot_s"] > 0
+    assert t["prefill_s"] > 0 and t["queue_s"] + t["prefill_s"] == pytest.approx(t["ttft_s"])
 
 
 def test_a_streamed_generation_sends_one_line_per_token_then_the_result(served):
@@ -294,6 +295,7 @@ def test_metrics_parse_as_prometheus_text_in_vllms_dialect_with_gpudiags_engine_
     for column in (M.num_requests_running, M.num_requests_waiting, M.kv_cache_usage_perc, M.num_preemptions_total,
                    M.prompt_tokens_total, M.generation_tokens_total, M.time_to_first_token_seconds,
                    M.inter_token_latency_seconds, M.e2e_request_latency_seconds, M.request_queue_time_seconds,
+                   M.request_prefill_time_seconds,
                    M.engine_kv_evictions_total, M.engine_recomputed_tokens_total, M.engine_serving_state,
                    M.engine_model_info, M.process_torch_allocated_bytes, M.process_torch_reserved_bytes,
                    M.process_gpu_memory_bytes):

@@ -143,6 +143,8 @@ def _incident_table(doc) -> Table:
         ("QPS", [f"{p['qps']:.1f}" for p in phases]),
         ("GPU utilization", [_range(p) for p in phases]),
         ("TTFT P99", [fmt_seconds(p["slo"]["ttft_p99_s"]) for p in phases]),
+        ("  queue / prefill P99", [f"{fmt_seconds(p['slo']['queue_p99_s'])} / {fmt_seconds(p['slo']['prefill_p99_s'])}"
+                                   for p in phases]),
         ("TPOT P99", [fmt_seconds(p["slo"]["tpot_p99_s"]) for p in phases]),
         ("TPOT P999", [fmt_seconds(p["slo"]["tpot_p999_s"]) for p in phases]),
         ("TPOT P99 by context (prompt + output tokens)", [_by_context(p) for p in phases]),
@@ -163,8 +165,9 @@ def _slo_table(docs) -> Table:
         t.add_column(d["fix"] or "unfixed", justify="right")
     if len(docs) == 2:
         t.add_column("change", justify="right")
-    keys = [("TTFT P50", "ttft_p50_s"), ("TTFT P99", "ttft_p99_s"), ("TPOT P50", "tpot_p50_s"),
-            ("TPOT P99", "tpot_p99_s"), ("TPOT P999", "tpot_p999_s"), ("e2e P99", "e2e_p99_s")]
+    keys = [("TTFT P50", "ttft_p50_s"), ("TTFT P99", "ttft_p99_s"), ("queue time P99", "queue_p99_s"),
+            ("prefill time P99", "prefill_p99_s"), ("TPOT P50", "tpot_p50_s"), ("TPOT P99", "tpot_p99_s"),
+            ("TPOT P999", "tpot_p999_s"), ("e2e P99", "e2e_p99_s")]
     for label, k in keys:
         vals = [d["slo"][k] for d in docs]
         cells = [fmt_seconds(v) for v in vals]
