@@ -22,6 +22,13 @@ End-to-end latency is TTFT plus output tokens times TPOT: its P99 rising
 while neither TTFT nor TPOT regresses means longer outputs (a change of the
 request mix), so e2e counts only alongside one of them.
 
+TTFT is queue time (arrival to first scheduling) plus prefill time (first
+scheduling to first token). When TTFT regresses and the request rows carry
+both parts, the finding says which of the two grew (``details["ttft_cause"]``:
+``queue`` or ``prefill``, the part whose P99 rose more over its own
+baseline): requests waiting for room (KV memory, batch slots) is another
+fault than a prefill that got slower (longer prompts, recompute, a slower GPU).
+
 One finding per GPU and episode of regressed buckets (merged within
 MERGE_GAP_S), with an evidence row per regressed metric; critical at
 CRITICAL_P99_RATIO.
@@ -42,6 +49,8 @@ from .kv_eviction_storm import CRITICAL_TPOT_RATIO
 KIND = "latency_regression"
 
 LATENCIES = (M.time_to_first_token_seconds, M.inter_token_latency_seconds, M.e2e_request_latency_seconds)
+# TTFT's two parts, read to say which one a TTFT regression came from; they raise no finding alone.
+TTFT_PARTS = {"queue": M.request_queue_time_seconds, "prefill": M.request_prefill_time_seconds}
 # The first quarter of the window is "before" unless a baseline is given.
 BASELINE_SHARE = 0.25
 # Five minutes holds enough requests at tens of QPS for a stable P99.
@@ -57,6 +66,12 @@ CRITICAL_P99_RATIO = CRITICAL_TPOT_RATIO
 MERGE_GAP_S = BUCKET_S
 STRAGGLERS = "stragglers_or_communication"
 BROAD = "broad"
+TTFT_HINTS = {
+    "queue": "TTFT grew in the queue: requests waited for room (KV memory or batch slots), not for their "
+             "prefill. Look for what held the room: kv_eviction_storm, memory_fragmentation, queue_avalanche.",
+    "prefill": "TTFT grew in the prefill itself: longer prompts, recompute prefills after evictions, or a "
+               "slower GPU (throttling).",
+}
 STRAGGLER_HINT = ("P99 up with P50 normal: a few requests are very slow. Check NVLink error counters, PCIe "
                   "replays, clocks and temperature (`gpudiag investigate`, hardware_errors and throttling).")
 # A regression is an effect; the fixes belong to the finding that caused it.
@@ -68,6 +83,7 @@ def analyze(window: Window, baseline: dict[str, dict[str, float]] | None = None)
     samples = _samples(window)
     if not samples:
         return []
+    parts = _ttft_parts(window)
     findings = []
     for (node, gpu), by_metric in samples.items():
         key = {"node": node, "gpu": gpu}
@@ -105,11 +121,43 @@ def analyze(window: Window, baseline: dict[str, dict[str, float]] | None = None)
             rows = {m: rs for m, rs in rows.items() if rs}
             if set(rows) <= {M.e2e_request_latency_seconds}:
                 continue  # e2e = TTFT + outputs x TPOT: alone, it rose with longer outputs, not slower serving
-            findings.append(_finding(key, start, end, rows))
+            split = _ttft_split(parts.get(_k(key)), base_end, start, end) \
+                if M.time_to_first_token_seconds in rows else None
+            findings.append(_finding(key, start, end, rows, split))
     return findings
 
 
-def _finding(key, start, end, rows) -> Finding:
+def _ttft_parts(window: Window) -> dict:
+    """{entity key: {part: (t, values)}} of the request rows' queue and prefill times."""
+    req = window.rows("request")
+    if req.empty or not all(c in req for c in TTFT_PARTS.values()):
+        return {}
+    out: dict = {}
+    for key, r in per_entity(req, ["node", "gpu"]):
+        t = r["t"].to_numpy(float)
+        for part, column in TTFT_PARTS.items():
+            v = r[column].to_numpy(float)
+            ok = ~np.isnan(v)
+            if ok.any():
+                out.setdefault(_k(key), {})[part] = by_time(t[ok], v[ok])
+    return out
+
+
+def _ttft_split(parts: dict | None, base_end: float, start: float, end: float) -> dict | None:
+    """Per part, its P99 over [start, end) and before base_end; and which part rose more over its own."""
+    if not parts or len(parts) != len(TTFT_PARTS):
+        return None
+    out: dict = {}
+    for part, (t, v) in parts.items():
+        base, now = v[t < base_end], v[(t >= start) & (t < end)]
+        if base.size < MIN_REQUESTS or now.size < MIN_REQUESTS:
+            return None
+        out[part] = (percentile(now, 99), percentile(base, 99))
+    out["cause"] = max(TTFT_PARTS, key=lambda p: out[p][0] - out[p][1])
+    return out
+
+
+def _finding(key, start, end, rows, split=None) -> Finding:
     evidence, ratios, flat, words = [], [], True, []
     details: dict = {"metrics": sorted(rows)}
     for metric, rs in rows.items():
@@ -131,12 +179,23 @@ def _finding(key, start, end, rows) -> Finding:
     details["pattern"] = STRAGGLERS if flat else BROAD
     if flat:
         details["hint"] = STRAGGLER_HINT
+    split_words = ""
+    if split is not None:
+        for part, column in TTFT_PARTS.items():
+            observed, base = split[part]
+            evidence.append(Evidence(column.replace("_seconds", "_p99_seconds"), observed, base, None, "seconds"))
+        cause = split["cause"]
+        details["ttft_cause"] = cause
+        details["ttft_hint"] = TTFT_HINTS[cause]
+        q, pf = split["queue"], split["prefill"]
+        split_words = (f"; TTFT grew in the {cause}: queue P99 {fmt_seconds(q[0])} vs {fmt_seconds(q[1])}, "
+                       f"prefill P99 {fmt_seconds(pf[0])} vs {fmt_seconds(pf[1])}")
     top = max(ratios)
     return Finding(
         kind=KIND, severity=Severity.CRITICAL if top >= CRITICAL_P99_RATIO else Severity.WARNING,
         start_s=float(start), end_s=float(end), node=key.get("node"), gpu=label_int(key.get("gpu")),
         summary="latency regression: " + "; ".join(words)
-                + (": P50 flat, stragglers or communication" if flat else ": the median slowed too"),
+                + (": P50 flat, stragglers or communication" if flat else ": the median slowed too") + split_words,
         evidence=evidence, runbook=alert_name(KIND), fixes=list(FIX_NAMES), details=details,
     )
 

@@ -519,6 +519,46 @@ def request_rows(n_s, slow_from=None, stragglers=0.0, factor=1.0, qps=10, seed=5
     return rows
 
 
+def ttft_rows(n_s, grow_from, queue_factor=1.0, prefill_factor=1.0, parts=True, qps=10, seed=7):
+    """Requests whose TTFT is a queue time plus a prefill time; from ``grow_from`` one or both grow."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for t in range(1, n_s + 1):
+        for _ in range(qps):
+            queue, prefill = rng.lognormal(np.log(0.02), 0.3), rng.lognormal(np.log(0.06), 0.2)
+            if t >= grow_from:
+                queue, prefill = queue * queue_factor, prefill * prefill_factor
+            row = {"t": float(t), "node": NODE, "gpu": GPU, "engine": ENGINE,
+                   M.time_to_first_token_seconds: queue + prefill, M.inter_token_latency_seconds: 0.05,
+                   M.e2e_request_latency_seconds: queue + prefill + 10.0}
+            if parts:
+                row |= {M.request_queue_time_seconds: queue, M.request_prefill_time_seconds: prefill}
+            rows.append(row)
+    return rows
+
+
+@pytest.mark.parametrize("queue_factor, prefill_factor, cause", [(60.0, 1.0, "queue"), (1.0, 5.0, "prefill"),
+                                                                 (8.0, 3.0, "queue")])
+def test_a_ttft_regression_says_whether_it_grew_in_the_queue_or_in_the_prefill(queue_factor, prefill_factor, cause):
+    w = window(request=ttft_rows(HOUR, 2400, queue_factor, prefill_factor))
+    f = only(latency_regression.analyze(w), "latency_regression")
+    assert f.details["metrics"] == [M.time_to_first_token_seconds]
+    assert f.details["ttft_cause"] == cause
+    assert f.details["ttft_hint"] == latency_regression.TTFT_HINTS[cause]
+    assert f"TTFT grew in the {cause}" in f.summary
+    ev = evidence(f)
+    grown = M.request_queue_time_seconds if cause == "queue" else M.request_prefill_time_seconds
+    e = ev[grown.replace("_seconds", "_p99_seconds")]
+    assert e.observed >= 2.5 * e.baseline
+
+
+def test_without_queue_and_prefill_columns_a_ttft_regression_names_no_part():
+    f = only(latency_regression.analyze(window(request=ttft_rows(HOUR, 2400, 60.0, parts=False))),
+             "latency_regression")
+    assert f.details["metrics"] == [M.time_to_first_token_seconds]
+    assert "ttft_cause" not in f.details and "TTFT grew" not in f.summary
+
+
 def test_p99_up_with_p50_flat_points_at_stragglers_or_communication():
     w = window(request=request_rows(HOUR, slow_from=2400, stragglers=0.03))
     f = only(latency_regression.analyze(w), "latency_regression")

@@ -60,6 +60,10 @@ def test_what_rises_in_time_to_first_token_is_queue_time_the_prefill_itself_stay
     before, during = ph["before"]["slo"], ph["during"]["slo"]
     assert during["prefill_p99_s"] <= 2.0 * before["prefill_p99_s"]
     assert during["queue_p99_s"] >= 10 * before["queue_p99_s"]
+    # and the analyzer says so
+    ttft = [f for f in res.findings if f.kind == "latency_regression" and M.time_to_first_token_seconds
+            in f.details["metrics"]]
+    assert ttft and all(f.details["ttft_cause"] == "queue" for f in ttft)
 
 
 def test_fragmentation_is_found_with_a_failed_request_larger_than_the_largest_hole(storm):
