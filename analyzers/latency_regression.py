@@ -28,6 +28,8 @@ both parts, the finding says which of the two grew (``details["ttft_cause"]``:
 ``queue`` or ``prefill``, the part whose P99 rose more over its own
 baseline): requests waiting for room (KV memory, batch slots) is another
 fault than a prefill that got slower (longer prompts, recompute, a slower GPU).
+Against a given ``baseline`` the parts have none of their own, and the split
+is left out.
 
 One finding per GPU and episode of regressed buckets (merged within
 MERGE_GAP_S), with an evidence row per regressed metric; critical at
@@ -83,7 +85,7 @@ def analyze(window: Window, baseline: dict[str, dict[str, float]] | None = None)
     samples = _samples(window)
     if not samples:
         return []
-    parts = _ttft_parts(window)
+    parts = None  # read when a TTFT regression needs them
     findings = []
     for (node, gpu), by_metric in samples.items():
         key = {"node": node, "gpu": gpu}
@@ -121,8 +123,10 @@ def analyze(window: Window, baseline: dict[str, dict[str, float]] | None = None)
             rows = {m: rs for m, rs in rows.items() if rs}
             if set(rows) <= {M.e2e_request_latency_seconds}:
                 continue  # e2e = TTFT + outputs x TPOT: alone, it rose with longer outputs, not slower serving
-            split = _ttft_split(parts.get(_k(key)), base_end, start, end) \
-                if M.time_to_first_token_seconds in rows else None
+            split = None
+            if M.time_to_first_token_seconds in rows:
+                parts = _ttft_parts(window) if parts is None else parts
+                split = _ttft_split(parts.get(_k(key)), base_end, start, end)
             findings.append(_finding(key, start, end, rows, split))
     return findings
 
