@@ -170,7 +170,8 @@ class SyntheticNode:
             g["waiting"] = self._walk(g["waiting"], 1, 0, 20)
             for _ in range(arrivals):
                 prompt, output = rng.randint(50, 4000), rng.randint(10, 800)
-                ttft = rng.lognormvariate(-2.5, 0.6)
+                queue = rng.expovariate(50.0)
+                ttft = queue + rng.lognormvariate(-2.5, 0.6)
                 itl = rng.lognormvariate(-3.2, 0.3)
                 g["prompt_tokens"] += prompt
                 g["gen_tokens"] += output
@@ -181,7 +182,8 @@ class SyntheticNode:
                     M.time_to_first_token_seconds: ttft,
                     M.inter_token_latency_seconds: itl,
                     M.e2e_request_latency_seconds: ttft + itl * (output - 1),
-                    M.request_queue_time_seconds: rng.expovariate(50.0),
+                    M.request_queue_time_seconds: queue,
+                    M.request_prefill_time_seconds: ttft - queue,
                 })
             if rng.random() < 0.02:
                 g["evictions"] += 1
