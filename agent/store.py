@@ -102,7 +102,7 @@ from gpudiag.frames import _factorize as _factorize_table_column
 
 log = logging.getLogger("gpudiag.agent.store")
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 DEFAULT_RETENTION_S = 7 * 86400.0
 DEFAULT_MAX_BYTES = 2 * 1024**3
 # Sealed chunks of 5 minutes: long enough that the per-entity first value of each
@@ -439,21 +439,27 @@ def _decimal_fit(vals: np.ndarray) -> tuple[int, np.ndarray, np.ndarray] | None:
 
 
 # A request's e2e latency is TTFT + TPOT x (output tokens - 1): the catalog's definition of
-# TPOT, vLLM's and the reference engine's. Stored as what is left after that sum (rounding,
-# a few microseconds) instead of as a third random latency: about three bytes a request less.
+# TPOT, vLLM's and the reference engine's; its TTFT is queue time + prefill time (vLLM's and
+# the reference engine's). Each is stored as what is left after its sum (rounding, a few
+# microseconds) instead of as one more random latency: about three bytes a request less each.
+# A column may be a part of another's sum (TTFT of e2e): readers resolve them in that order.
 SUM_OF_PARTS = {M.e2e_request_latency_seconds: (M.time_to_first_token_seconds, M.inter_token_latency_seconds,
-                                                "output_tokens")}
+                                                "output_tokens"),
+                M.time_to_first_token_seconds: (M.request_queue_time_seconds, M.request_prefill_time_seconds)}
 
 
-def _sum_of_parts(scale: int, first, per_token, tokens) -> np.ndarray | None:
-    """round(first) + round(per_token) x (tokens - 1) in units of 10**-scale, exactly; None where it cannot be."""
-    if not (isinstance(first, np.ndarray) and isinstance(per_token, np.ndarray) and isinstance(tokens, np.ndarray)) \
-            or first.dtype.kind != "f" or per_token.dtype.kind != "f" or tokens.dtype.kind not in "iu":
+def _sum_of_parts(scale: int, *terms) -> np.ndarray | None:
+    """round(first) + round(second) x (tokens - 1) in units of 10**-scale, exactly, for terms (first, second,
+    tokens); round(first) + round(second) for terms (first, second). None where it cannot be."""
+    if len(terms) not in (2, 3) or not all(isinstance(x, np.ndarray) for x in terms) \
+            or terms[0].dtype.kind != "f" or terms[1].dtype.kind != "f" \
+            or (len(terms) == 3 and terms[2].dtype.kind not in "iu"):
         return None
+    first, second = terms[0], terms[1]
     m = 10.0**scale
     with np.errstate(over="ignore", invalid="ignore"):  # out of range comes out inf or nan, refused below
-        a, b = np.round(first * m), np.round(per_token * m)
-        times = b * (tokens.astype(np.float64) - 1.0)
+        a, b = np.round(first * m), np.round(second * m)
+        times = b * (terms[2].astype(np.float64) - 1.0) if len(terms) == 3 else b
         total = a + times
     for x in (a, b, times, total):  # integers in float64 are exact below 2**53
         if not np.isfinite(x).all() or (len(x) and np.abs(x).max() >= _EXACT_INT_LIMIT):
@@ -1193,12 +1199,18 @@ def _decode(block: bytes, *, raw: bool, labels: dict | None) -> tuple[int, dict,
         if isinstance(a, _DictColumn) and not raw:
             a = a.to_objects()
         columns[meta["name"]] = a
-    for name, (meta, part) in deferred.items():
-        parts_of = tuple(columns.get(p) for p in meta["of"])
-        if inverse is not None:
-            parts_of = tuple(None if p is None else p[order] for p in parts_of)
-        a = _decode_column(meta, part, n, parts_of=parts_of)
-        columns[name] = a if inverse is None else a[inverse]
+    while deferred:
+        # a column stored against another stored against others (e2e of TTFT of queue and prefill)
+        # waits for it; one whose parts never come is decoded against what there is, and refused
+        ready = [k for k, (meta, _) in deferred.items() if not any(p in deferred for p in meta["of"])] \
+            or list(deferred)
+        for name in ready:
+            meta, part = deferred.pop(name)
+            parts_of = tuple(columns.get(p) for p in meta["of"])
+            if inverse is not None:
+                parts_of = tuple(None if p is None else p[order] for p in parts_of)
+            a = _decode_column(meta, part, n, parts_of=parts_of)
+            columns[name] = a if inverse is None else a[inverse]
     return n, columns, labels
 
 
@@ -1317,7 +1329,7 @@ class _WindowBlock:
             return memoryview(self.rest)[at - cut:at - cut + size]
         return self.head[at:] + self.rest[:at + size - cut]
 
-    def stored(self, name: str):
+    def stored(self, name: str, _resolving: tuple = ()):
         """A column in stored order: an array, a flattened dict column, or (codes, values) of a string column."""
         if name == "t" and self.t is not None:
             return self.t
@@ -1328,7 +1340,11 @@ class _WindowBlock:
             parts = [cur.take(size) for size in meta["sizes"]]
             values = _dictionary(meta, parts)
             return _codes(parts[0], meta["width"], self.n, len(values)), values
-        parts_of = tuple(self.stored(p) if p in self.metas else None for p in meta["of"]) if "of" in meta else None
+        parts_of = None
+        if "of" in meta:
+            if name in _resolving:
+                raise ValueError(f"column {name} is stored against itself")
+            parts_of = tuple(self.stored(p, _resolving + (name,)) if p in self.metas else None for p in meta["of"])
         return _decode_column(meta, _Cursor(bytes(data) if meta["codec"] == "jsonlist" else data, 0), self.n,
                               parts_of=parts_of)
 
@@ -2138,6 +2154,13 @@ def _migration_6_dictionary_fields(conn: sqlite3.Connection) -> None:
     pass
 
 
+def _migration_7_ttft_of_parts(conn: sqlite3.Connection) -> None:
+    # Sealed chunks from now on may store TTFT against queue time + prefill time: a gpudiag of
+    # schema 6 knows sums of three terms only and cannot read it, so the version bump makes it
+    # refuse the store instead. Chunks already stored read as they are.
+    pass
+
+
 MIGRATIONS: tuple[tuple[int, str, Any], ...] = (
     (1, "initial", _migration_1_initial),
     (2, "findings_entity", _migration_2_findings_entity),
@@ -2145,6 +2168,7 @@ MIGRATIONS: tuple[tuple[int, str, Any], ...] = (
     (4, "zigzag_ints", _migration_4_zigzag_ints),
     (5, "reference_ints", _migration_5_reference_ints),
     (6, "dictionary_fields", _migration_6_dictionary_fields),
+    (7, "ttft_of_parts", _migration_7_ttft_of_parts),
 )
 assert MIGRATIONS[-1][0] == SCHEMA_VERSION
 

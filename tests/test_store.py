@@ -98,7 +98,7 @@ def test_a_new_store_runs_in_wal_mode_at_the_current_schema(tmp_path):
     conn.close()
     assert meta["schema_version"] == SCHEMA_VERSION
     assert [m["name"] for m in meta["migrations"]] == ["initial", "findings_entity", "zstd_chunks", "zigzag_ints",
-                                                   "reference_ints", "dictionary_fields"]
+                                                   "reference_ints", "dictionary_fields", "ttft_of_parts"]
 
 
 def test_frames_read_back_exactly_as_appended_before_and_after_sealing(tmp_path):
@@ -561,13 +561,67 @@ def test_a_column_stored_against_columns_the_block_lacks_is_a_damaged_block_not_
         decode_block(tampered)
 
 
+def _ttft_rows(n: int, seed: int) -> dict:
+    """Requests whose TTFT is their queue time plus their prefill time, and whose e2e adds TPOT per token."""
+    rng = np.random.default_rng(seed)
+    queue, prefill = rng.exponential(0.02, n), rng.lognormal(-2.5, 0.6, n)
+    ttft, tpot, tokens = queue + prefill, rng.lognormal(-3.2, 0.3, n), rng.integers(1, 800, n)
+    return {"t": T0 + np.arange(n, dtype=float) // 10, "gpu": rng.integers(0, 8, n),
+            "request_id": np.array([f"req-{i}-{rng.integers(2**32):08x}" for i in range(n)], dtype=object),
+            "output_tokens": tokens, M.time_to_first_token_seconds: ttft, M.inter_token_latency_seconds: tpot,
+            M.e2e_request_latency_seconds: ttft + tpot * (tokens - 1),
+            M.request_queue_time_seconds: queue, M.request_prefill_time_seconds: prefill}
+
+
+def test_ttft_is_stored_as_what_is_left_of_queue_plus_prefill_and_e2e_reads_back_through_it():
+    from gpudiag.agent.store import _window_table, decode_table
+
+    n = 4000
+    columns = _ttft_rows(n, 11)
+    want = {k: np.round(v, 6) if v.dtype.kind == "f" and k != "t" else v for k, v in columns.items()}
+    block = encode_block(columns, n)
+    got, table = decode_block(block)[1], decode_table(block)
+    window = _window_table([block], T0 - 1, T0 + n, None)
+    order = np.argsort(want["t"], kind="stable")
+    for name in (M.time_to_first_token_seconds, M.e2e_request_latency_seconds, M.request_queue_time_seconds,
+                 M.request_prefill_time_seconds):
+        assert np.array_equal(got[name], want[name]), name
+        assert np.array_equal(table.columns[name], want[name]), name
+        assert np.array_equal(window.columns[name], want[name][order]), name
+    ttft = next(m for m in _header(block)["columns"] if m["name"] == M.time_to_first_token_seconds)
+    assert ttft.get("of") == [M.request_queue_time_seconds, M.request_prefill_time_seconds]
+    # what is left is rounding each part to the microsecond: a fraction of a latency of its own
+    assert _column_bytes(block, M.time_to_first_token_seconds) < 0.3 * _column_bytes(
+        block, M.request_prefill_time_seconds)
+
+
+def test_columns_stored_against_each_other_are_a_damaged_block_not_a_hang():
+    import struct
+
+    from gpudiag.agent.store import _BLOCK_MAGIC, _compress, _decompress, _window_table
+
+    n = 500
+    block = encode_block(_ttft_rows(n, 13), n)
+    (head_z,) = struct.unpack("<I", block[4:8])
+    header = json.loads(_decompress(memoryview(block)[8:8 + head_z]))
+    ttft = next(m for m in header["columns"] if m["name"] == M.time_to_first_token_seconds)
+    ttft["of"] = [M.e2e_request_latency_seconds, M.request_prefill_time_seconds]  # e2e is of TTFT: a loop
+    head = _compress(json.dumps(header, separators=(",", ":")).encode(), 3)
+    tampered = _BLOCK_MAGIC + struct.pack("<I", len(head)) + head + block[8 + head_z:]
+    with pytest.raises(ValueError, match="do not add up"):
+        decode_block(tampered)
+    with pytest.raises(ValueError, match="stored against itself|do not add up"):
+        _window_table([tampered], T0 - 1, T0 + n, None).columns[M.e2e_request_latency_seconds]
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_a_column_stored_against_others_reads_back_exactly_whatever_they_hold(data):
     n = data.draw(st.integers(1, 30))
     anything = st.one_of(st.floats(width=64), st.integers(-10**6, 10**6).map(lambda k: k / 1000))
     columns = {"t": T0 + np.arange(n, dtype=float), "request_id": np.array([f"r{i}" for i in range(n)], dtype=object)}
-    for name in (M.time_to_first_token_seconds, M.inter_token_latency_seconds, M.e2e_request_latency_seconds):
+    for name in (M.time_to_first_token_seconds, M.inter_token_latency_seconds, M.e2e_request_latency_seconds,
+                 M.request_queue_time_seconds, M.request_prefill_time_seconds):
         columns[name] = np.array(data.draw(st.lists(anything, min_size=n, max_size=n)), dtype=np.float64)
     columns["output_tokens"] = np.array(data.draw(st.lists(st.integers(-2**62, 2**62), min_size=n, max_size=n)))
     with np.errstate(over="ignore", invalid="ignore"):  # rounding 1e308 to the microsecond
@@ -724,7 +778,7 @@ def test_a_schema_1_store_is_readable_and_migrated_on_the_first_write_open(tmp_p
         meta = store.meta()
         assert meta["schema_version"] == SCHEMA_VERSION
         assert [m["name"] for m in meta["migrations"]] == ["initial", "findings_entity", "zstd_chunks", "zigzag_ints",
-                                                   "reference_ints", "dictionary_fields"]
+                                                   "reference_ints", "dictionary_fields", "ttft_of_parts"]
         assert len(store.window(-math.inf, math.inf).table("gpu")) == 20
         old = store.window(-math.inf, math.inf).table("gpu")
         assert [f["kind"] for f in store.findings(-math.inf, math.inf, gpu=1)] == ["cpu_starved"]
