@@ -136,14 +136,21 @@ def _ttft_parts(window: Window) -> dict:
     req = window.rows("request")
     if req.empty or not all(c in req for c in TTFT_PARTS.values()):
         return {}
+    return {k: {part: series[c] for part, c in TTFT_PARTS.items() if c in series}
+            for k, series in _request_series(req, TTFT_PARTS.values()).items()}
+
+
+def _request_series(req, columns) -> dict:
+    """{entity key: {column: (t, values)}} of the request rows that have a value in the column."""
     out: dict = {}
     for key, r in per_entity(req, ["node", "gpu"]):
         t = r["t"].to_numpy(float)
-        for part, column in TTFT_PARTS.items():
-            v = r[column].to_numpy(float)
-            ok = ~np.isnan(v)
-            if ok.any():
-                out.setdefault(_k(key), {})[part] = by_time(t[ok], v[ok])
+        for column in columns:
+            if column in r and r[column].notna().any():
+                v = r[column].to_numpy(float)
+                ok = ~np.isnan(v)
+                # read only from here on: kept as they are when every request has a value
+                out.setdefault(_k(key), {})[column] = (t, v) if ok.all() else (t[ok], v[ok])
     return out
 
 
@@ -228,18 +235,8 @@ def _samples(window: Window) -> dict:
     out: dict = {}
     req = window.rows("request")
     if not req.empty and any(c in req for c in LATENCIES):
-        for key, r in per_entity(req, ["node", "gpu"]):
-            t = r["t"].to_numpy(float)
-            for metric in LATENCIES:
-                if metric in r and r[metric].notna().any():
-                    v = r[metric].to_numpy(float)
-                    ok = ~np.isnan(v)
-                    if not ok.all():  # read only from here on: kept as they are when every request has it
-                        t_ok, v = t[ok], v[ok]
-                    else:
-                        t_ok = t
-                    out.setdefault(_k(key), {})[metric] = (t_ok, v, None, None)
-        return {k: v for k, v in out.items() if v}
+        return {k: {m: (t, v, None, None) for m, (t, v) in series.items()}
+                for k, series in _request_series(req, LATENCIES).items()}
     eng = window.rows("engine")
     for key, e in per_entity(eng, ["node", "gpu"]):
         t = e["t"].to_numpy(float)
