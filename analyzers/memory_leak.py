@@ -9,8 +9,11 @@ innermost one whose rule holds:
 
 - ``allocated``: white rises while the load is flat — tensors are kept
   alive that nothing uses (a tensor leak);
-- ``pool``: grey and grey - white rise while white is flat — the caching
-  allocator keeps segments no tensor needs (pool bloat, fragmentation);
+- ``pool``: grey and grey - white rise while white is flat, and grey rises
+  above the highest white so far — the caching allocator keeps segments no
+  tensor needs (pool bloat, fragmentation). A cache that holds what an
+  earlier peak of load needed (a high-water mark kept after the burst) is
+  no leak;
 - ``driver``: black and black - grey rise while grey is flat — memory allocated
   outside PyTorch and never freed (a missing cudaFree, a library's
   workspaces). Cross-checked with the eBPF probe's outstanding allocations
@@ -291,7 +294,8 @@ def _leaking_layer(t, white, grey, black, load_flat, running, fit, white_outside
             return ALLOCATED, g, M.process_torch_allocated_growth_bytes_per_second
     if white is not None and grey is not None:
         g = rising_slope(t, grey_c - white_c)
-        if g is not None and rising_slope(t, grey_c) is not None and _flat(t, white_c, g):
+        if g is not None and rising_slope(t, grey_c) is not None and _flat(t, white_c, g) \
+                and _above_peak(t, grey, white):
             return POOL, g, M.process_reserved_minus_allocated_bytes
     if grey is not None and black is not None:
         g = rising_slope(t, black_c - grey_c)
@@ -302,6 +306,17 @@ def _leaking_layer(t, white, grey, black, load_flat, running, fit, white_outside
         if g is not None:
             return UNKNOWN, g, M.process_gpu_memory_growth_bytes_per_second
     return None
+
+
+def _above_peak(t, grey, white) -> bool:
+    """Reserved rises above the highest allocated so far (raw, not at constant load).
+
+    The caching allocator keeps the segments a peak of load needed until the process
+    ends; after a burst, reserved stays at that high-water mark while allocated falls
+    back, and the load regression, which expects memory to fall with the load, reads
+    the retained cache as growth. Growth of a leaking pool outruns every earlier peak.
+    """
+    return rising_slope(t, grey - np.fmax.accumulate(white)) is not None
 
 
 def _flat(t, inner, outer_growth) -> bool:
