@@ -8,10 +8,12 @@ table's shared codes instead of a groupby or a comparison per call.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from gpudiag.catalog import M
 from gpudiag.frames import Column, Rows, forward_fill, layout_groups
 
 if TYPE_CHECKING:
@@ -431,3 +433,56 @@ def _isnan(v) -> bool:
 def label_int(v):
     """An entity label (gpu, pid) as int, None when absent or NaN."""
     return None if v is None or _isnan(v) else int(v)
+
+
+# --- the serving engine's own process and its KV -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineKV:
+    """What one GPU's engine rows say of the engine's KV: who the engine is, and its KV over time."""
+
+    names: frozenset  # the engine names its rows carry
+    pids: frozenset  # the pids its rows state (NVML names a vLLM server "python3": the pid is what identifies it)
+    t: np.ndarray
+    reserved: np.ndarray  # engine_kv_reserved_bytes: KV allocated to requests
+    capacity: float | None  # engine_kv_capacity_bytes at the last sample stating it; None when none does
+
+
+def engine_kv(e) -> EngineKV | None:
+    """:class:`EngineKV` of one GPU's engine rows; None without the KV they hold or a name or pid."""
+    if e.empty or M.engine_kv_reserved_bytes not in e or ("engine" not in e and "pid" not in e):
+        return None
+    e = e[e[M.engine_kv_reserved_bytes].notna()]
+    if e.empty:
+        return None
+    names = frozenset(e["engine"].dropna().tolist()) if "engine" in e else frozenset()
+    pids = frozenset(label_int(v) for v in dict.fromkeys(e["pid"].dropna().tolist())) if "pid" in e \
+        else frozenset()
+    capacity = None
+    if M.engine_kv_capacity_bytes in e:
+        stated = e[M.engine_kv_capacity_bytes].dropna()
+        if not stated.empty:
+            capacity = float(stated.iloc[-1])
+    return EngineKV(names, pids, e["t"].to_numpy(float), e[M.engine_kv_reserved_bytes].to_numpy(float), capacity)
+
+
+def engine_kv_of(p, pid, t: np.ndarray, allocated: np.ndarray, kv: EngineKV | None) -> np.ndarray | None:
+    """The engine's KV bytes at ``t`` when process ``p`` (pid ``pid``, samples ``t``) is the engine's own,
+    else None.
+
+    The engine's process is the pid its rows state, else (they state none) the process
+    named as the engine. Its KV must fit in ``allocated`` (the process' allocated bytes,
+    or any layer that holds them) at every sample, else it is not there.
+    """
+    if kv is None:
+        return None
+    if kv.pids:
+        if pid not in kv.pids:
+            return None
+    elif "process" not in p or not set(p["process"].dropna().tolist()) & kv.names:
+        return None
+    at = np.interp(t, kv.t, kv.reserved)
+    if np.nanmin(allocated - at) < 0:
+        return None
+    return at

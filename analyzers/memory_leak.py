@@ -52,7 +52,7 @@ from gpudiag.findings import Evidence, Finding, Severity, alert_name
 from gpudiag.frames import Window
 from gpudiag.units import fmt_bytes, fmt_seconds
 
-from .common import label_int, linear_trend, per_entity, still_per_entity, subset
+from .common import engine_kv, engine_kv_of, label_int, linear_trend, per_entity, still_per_entity, subset
 from .oom_forecast import TIME_TO_OOM_CRITICAL_S, device_headroom_bytes, rising_slope, time_to_oom_s
 
 KIND = "memory_leak"
@@ -106,7 +106,7 @@ def analyze(window: Window) -> list[Finding]:
         held = loads.get(gpu_key)
         if held is None:
             engine_rows = subset(eng, key)
-            held = loads[gpu_key] = [_engine_load(engine_rows), None, None, _engine_kv(engine_rows)]
+            held = loads[gpu_key] = [_engine_load(engine_rows), None, None, engine_kv(engine_rows)]
         if held[1] is not None and held[1].shape == t.shape and np.array_equal(held[1], t):
             load_flat, load, running, fit = held[2]  # the processes of one GPU are sampled together
             load = dict(load)
@@ -174,41 +174,17 @@ def _col(p, column):
     return p[column].to_numpy(float)
 
 
-def _engine_kv(e) -> tuple[set, set, np.ndarray, np.ndarray] | None:
-    """(engine names, engine pids, sample times, KV bytes allocated to requests) of one GPU's engine rows;
-    None without."""
-    if e.empty or M.engine_kv_reserved_bytes not in e or ("engine" not in e and "pid" not in e):
-        return None
-    e = e[e[M.engine_kv_reserved_bytes].notna()]
-    if e.empty:
-        return None
-    names = set(e["engine"].dropna().tolist()) if "engine" in e else set()
-    pids = {label_int(v) for v in dict.fromkeys(e["pid"].dropna().tolist())} if "pid" in e else set()
-    return names, pids, e["t"].to_numpy(float), e[M.engine_kv_reserved_bytes].to_numpy(float)
-
-
 def _outside_kv(p, pid, t, white, kv) -> np.ndarray | None:
     """The engine process' allocated bytes less its KV (None for any other process, or KV not inside them).
 
     KV is the engine's working set: it grows with the tokens held, which the running count
     does not measure (a few long sequences hold as much as many short ones); a leak is
-    memory the engine does not account for. The engine's process is the one named as the
-    engine: the pid its rows state (NVML names a vLLM server "python3"), else the one named as the
-    engine; its KV must fit in its allocated bytes at every sample, else it is not there.
+    memory the engine does not account for. Which process is the engine's: :func:`engine_kv_of`.
     """
-    if kv is None or white is None:
+    if white is None:
         return None
-    names, pids, te, v = kv
-    if pids:
-        if pid not in pids:
-            return None
-    elif "process" not in p or not set(p["process"].dropna().tolist()) & names:
-        return None
-    at = np.interp(t, te, v)
-    outside = white - at
-    if np.nanmin(outside) < 0:
-        return None
-    return outside
+    at = engine_kv_of(p, pid, t, white, kv)
+    return None if at is None else white - at
 
 
 def _engine_load(e) -> tuple[bool, dict, np.ndarray | None, np.ndarray | None]:

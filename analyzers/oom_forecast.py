@@ -23,7 +23,14 @@ Definitions (per GPU and process, over the window's 1 s samples):
 - headroom: device capacity minus device memory in use at the last sample
   (NVML used; else capacity minus every process's black layer), plus the
   releasable cache (reserved minus the watermark) at that sample;
-- time to OOM = headroom / growth.
+- time to OOM = headroom / growth;
+- the serving engine's own process (see common.engine_kv_of), when its rows
+  state the KV it holds and the capacity of its KV pool: the pool stops at
+  that capacity and the engine evicts (kv_eviction_storm) instead of running
+  the device out. When the device's headroom holds what the pool may still
+  take, the KV is taken out of the held memory and that room out of the
+  headroom, so only what grows outside the pool is forecast; a pool larger
+  than the device's headroom is forecast as it is.
 
 A finding when time to OOM is below TIME_TO_OOM_WARNING_S; critical below
 TIME_TO_OOM_CRITICAL_S. The chain assembler puts a leak or fragmentation
@@ -39,7 +46,7 @@ from gpudiag.findings import Evidence, Finding, Severity, alert_name
 from gpudiag.frames import Window
 from gpudiag.units import fmt_bytes, fmt_seconds
 
-from .common import label_int, linear_trend, per_entity, still_per_entity, subset
+from .common import EngineKV, engine_kv, engine_kv_of, label_int, linear_trend, per_entity, still_per_entity, subset
 
 KIND = "oom_forecast"
 
@@ -79,6 +86,8 @@ def analyze(window: Window) -> list[Finding]:
     with_split = reported and window.has("process", M.process_torch_allocated_bytes) \
         and window.has("process", M.process_torch_inactive_split_bytes)
     findings = []
+    eng = window.rows("engine") if window.has("engine", M.engine_kv_reserved_bytes) else None
+    kvs: dict[tuple, EngineKV | None] = {}  # per GPU, read when one of its processes grows
     # Every series a process's held memory is taken from; when all of them hold one value, it has no trend.
     steady = still_per_entity(proc, ("node", "gpu", "pid"), _HELD_COLUMNS, whole_numbers=True)
     for g, (key, p) in enumerate(per_entity(proc, ["node", "gpu", "pid"])):
@@ -113,6 +122,22 @@ def analyze(window: Window) -> list[Finding]:
         if headroom is None:
             continue
         headroom += releasable
+        kv_room = None
+        if eng is not None:
+            gpu_key = (key.get("node"), key.get("gpu"))
+            if gpu_key not in kvs:
+                kvs[gpu_key] = engine_kv(subset(eng, key))
+            kv = kvs[gpu_key]
+            at = engine_kv_of(p, label_int(key.get("pid")), t, held, kv)
+            if at is not None and kv.capacity is not None and max(kv.capacity - at[-1], 0.0) <= headroom:
+                # The engine's own KV pool: it stops at its capacity and evicts before the device runs out.
+                # What else grows is judged, with the room the pool may still take out of the headroom.
+                kv_room = max(kv.capacity - float(at[-1]), 0.0)
+                held = held - at
+                slope = rising_slope(t, held)
+                if slope is None:
+                    continue
+                headroom -= kv_room
         tto = time_to_oom_s(slope, headroom)
         if tto >= TIME_TO_OOM_WARNING_S:
             continue
@@ -123,7 +148,8 @@ def analyze(window: Window) -> list[Finding]:
             severity=Severity.CRITICAL if tto < TIME_TO_OOM_CRITICAL_S else Severity.WARNING,
             start_s=float(t[0]), end_s=float(t[-1]), node=key.get("node"), gpu=label_int(key.get("gpu")),
             pid=label_int(key.get("pid")),
-            summary=(f"{layer} memory of pid {label_int(key.get('pid'))} grows {fmt_bytes(slope)}/s with "
+            summary=(f"{layer} memory of pid {label_int(key.get('pid'))}"
+                     f"{' outside its KV pool' if kv_room is not None else ''} grows {fmt_bytes(slope)}/s with "
                      f"{fmt_bytes(headroom)} left on the GPU"
                      f"{f' (with {fmt_bytes(releasable)} of releasable cache)' if releasable else ''}: "
                      f"out of memory in about {fmt_seconds(tto)}"),
@@ -137,7 +163,8 @@ def analyze(window: Window) -> list[Finding]:
             ],
             runbook=alert_name(KIND), fixes=list(FIX_NAMES),
             details={"time_to_oom_s": tto, "oom_at_s": float(t[-1]) + tto, "layer": layer,
-                     "growth_bytes_per_second": slope, "headroom_bytes": headroom, "releasable_bytes": releasable},
+                     "growth_bytes_per_second": slope, "headroom_bytes": headroom, "releasable_bytes": releasable,
+                     "engine_kv_excluded": kv_room is not None, "engine_kv_room_bytes": kv_room},
         ))
     return findings
 

@@ -274,6 +274,45 @@ def test_a_process_without_a_reporter_is_forecast_on_its_driver_memory_beside_on
     assert f.details["time_to_oom_s"] == pytest.approx(free / (6 * MiB), rel=0.05)
 
 
+def engine_filling_kv(kv_capacity, leak=lambda t: 0.0, n=900):
+    """Fifteen minutes of an engine that grows its KV on demand from 8 to 30 GiB (a long-sequence phase
+    starting, SCENARIOS.md §1) on an 80 GiB GPU; its KV pool stops at ``kv_capacity``."""
+    kv = lambda t: 8 * GiB + 22 * GiB * t / n  # noqa: E731
+    white = lambda t: 22 * GiB + kv(t) + leak(t) + jitter(t)  # noqa: E731 (weights and activations: 22 GiB)
+    proc = process_rows(n, **{M.process_torch_allocated_bytes: white,
+                              M.process_torch_inactive_split_bytes: 0.0,
+                              M.process_torch_reserved_bytes: lambda t: white(t) + GiB,
+                              M.process_gpu_memory_bytes: lambda t: white(t) + 1.5 * GiB})
+    gpu = gpu_rows(n, **{M.gpu_memory_total_bytes: 80 * GiB, M.gpu_memory_used_bytes: lambda t: white(t) + 1.5 * GiB})
+    eng = engine_rows(n, **{M.num_requests_running: 60.0, M.engine_kv_reserved_bytes: kv,
+                            M.engine_kv_capacity_bytes: kv_capacity})
+    return window(process=proc, gpu=gpu, engine=eng)
+
+
+def test_an_engine_filling_its_own_kv_pool_is_no_oom_coming():
+    # 8.5 GiB of the pool left, 26.5 GiB free on the device: the engine stops at its capacity and
+    # evicts (an eviction storm, another finding) long before the device runs out.
+    assert oom_forecast.analyze(engine_filling_kv(38.5 * GiB)) == []
+
+
+def test_a_kv_pool_larger_than_the_free_device_memory_is_still_forecast():
+    # 40 GiB of the pool left, 26.5 GiB free: the KV can fill the device before it reaches its cap.
+    f = only(oom_forecast.analyze(engine_filling_kv(70 * GiB)), "oom_forecast")
+    assert f.severity is Severity.CRITICAL
+    assert not f.details["engine_kv_excluded"]
+    assert f.details["growth_bytes_per_second"] == pytest.approx(22 * GiB / 900, rel=0.05)
+
+
+def test_a_leak_beside_an_engine_filling_its_kv_is_forecast_on_the_leak_with_the_kv_room_taken():
+    f = only(oom_forecast.analyze(engine_filling_kv(38.5 * GiB, leak=lambda t: 8 * MiB * t)), "oom_forecast")
+    assert f.details["engine_kv_excluded"]
+    assert f.details["growth_bytes_per_second"] == pytest.approx(8 * MiB, rel=0.05)
+    # Free at the end: 80 - (22 + 30 + 7.03 leaked + 1.5) GiB, less the 8.5 GiB the KV pool may still take.
+    free = 80 * GiB - (22 * GiB + 30 * GiB + 8 * MiB * 900 + 1.5 * GiB) + GiB - 8.5 * GiB
+    assert f.details["headroom_bytes"] == pytest.approx(free, rel=0.02)
+    assert "outside its KV pool" in f.summary
+
+
 def test_a_leak_finding_precedes_the_oom_forecast_it_causes():
     w = leak_window(white=lambda t: 20 * GiB + 4 * MiB * t + jitter(t),
                     grey=lambda t: 22 * GiB + 4 * MiB * t + jitter(t),
