@@ -33,7 +33,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -396,6 +396,7 @@ class _Open:
     opened_at_s: float
     resolved_at_s: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    confirmed_at_s: float | None = None  # the end of the last window whose analysis reported it (not over)
 
     def document(self) -> dict[str, Any]:
         d = self.finding.to_dict()
@@ -412,8 +413,10 @@ class FindingLog:
     that moves (its trailing windows are cut by the window's start); two sightings of
     one kind on one (node, GPU, pid) within SAME_FINDING_SLACK_S are one finding, which
     keeps the id and the earliest start of its first sighting. A finding is resolved
-    when the latest analysis no longer reports it, or reports it with evidence that
-    ended RESOLVE_AFTER_S before the window's end; its end is the last evidence.
+    when the latest analysis no longer reports it (for a kind held for a window, once a
+    whole window has passed since an analysis last reported it), or reports it with
+    evidence that ended RESOLVE_AFTER_S before the window's end; its end is the last
+    evidence.
     """
 
     def __init__(self):
@@ -444,9 +447,14 @@ class FindingLog:
                 return rec
         return None
 
-    def reconcile(self, findings: list[Finding], window_end_s: float, window_start_s: float
-                  ) -> tuple[list[_Open], list[_Open], list[_Open]]:
-        """(opened, updated, resolved) after one analysis ending at ``window_end_s``."""
+    def reconcile(self, findings: list[Finding], window_end_s: float, window_start_s: float,
+                  held: Collection[str] = ()) -> tuple[list[_Open], list[_Open], list[_Open]]:
+        """(opened, updated, resolved) after one analysis of ``(window_start_s, window_end_s]``.
+
+        An open finding of a kind in ``held`` (analyzers.registry.HELD_FOR_A_WINDOW) that this
+        analysis does not report stays open while its last confirmation is inside the window: it
+        is resolved once a whole window has passed without one.
+        """
         opened, updated, resolved = [], [], []
         seen: set[str] = set()
         for f in findings:
@@ -476,8 +484,12 @@ class FindingLog:
             rec.finding = f
             if not over:
                 seen.add(rec.id)
+                rec.confirmed_at_s = window_end_s
         for rid in [r for r in self.open if r not in seen]:
-            rec = self.open.pop(rid)
+            rec = self.open[rid]
+            if rec.key[0] in held and rec.confirmed_at_s is not None and rec.confirmed_at_s > window_start_s:
+                continue  # confirmed within this window: a window that cannot confirm a trend does not end it
+            del self.open[rid]
             rec.resolved_at_s = window_end_s
             self._resolved[rid] = rec
             resolved.append(rec)
@@ -735,12 +747,12 @@ class Agent:
 
     def analyze_once(self) -> list[Finding]:
         """Run every analyzer over the in-memory window once; log, store and export what changed."""
-        from gpudiag.analyzers.registry import run_streaming
+        from gpudiag.analyzers.registry import HELD_FOR_A_WINDOW, run_streaming
 
         started, started_cpu = time.perf_counter(), time.thread_time()
         win = self.window.window(self.node)
         findings = run_streaming(win, {rec.key[0] for rec in self.findings.open.values()}) if win.tables else []
-        opened, updated, resolved = self.findings.reconcile(findings, win.end_s, win.start_s)
+        opened, updated, resolved = self.findings.reconcile(findings, win.end_s, win.start_s, HELD_FOR_A_WINDOW)
         self.analysis_seconds = time.perf_counter() - started
         self.analyses += 1
         for rec in opened:

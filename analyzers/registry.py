@@ -39,6 +39,12 @@ ANALYZERS = {
 }
 
 
+# Kinds whose streaming findings stay open until a whole window has passed without an analysis
+# confirming them (the agent's FindingLog): their analyzers judge trends that a window may fail
+# to confirm while they go on (the reason next to each).
+HELD_FOR_A_WINDOW = frozenset(kind for kind, held in ((memory_leak.KIND, memory_leak.HELD_FOR_A_WINDOW),
+                                                     (oom_forecast.KIND, oom_forecast.HELD_FOR_A_WINDOW)) if held)
+
 # Cheap tests, next to each analyzer, that return False only when the analyzer is sure to find
 # nothing in a window (a condition every finding needs does not hold). The agent analyzes its
 # window every 10 s; on a healthy node most analyzers find nothing, and these tests cost a

@@ -9,6 +9,7 @@ daemon in-process with probes that fail on purpose.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -381,3 +382,29 @@ def test_the_sliding_window_holds_only_its_span_and_every_sample():
     w = win.window()
     g = w.table("gpu")
     assert g["t"].min() == 701 and g["t"].max() == 1000 and len(g) == 300
+
+
+def test_a_trend_finding_stays_open_until_a_whole_window_passes_without_a_confirmation():
+    # A leak confirmed by the window (100, 1000] and by none of the next ones: open while its last
+    # confirmation is inside the window, resolved once the window starts after it.
+    leak = Finding(kind="memory_leak", severity=Severity.WARNING, start_s=100, end_s=1000, summary="s",
+                   gpu=0, node="n", pid=7)
+    held = {"memory_leak"}
+    log = FindingLog()
+    opened, _, _ = log.reconcile([leak], 1000, 100, held)
+    fid = opened[0].id
+    for end in (1010, 1500, 1899):
+        opened, _, resolved = log.reconcile([], end, end - 900, held)
+        assert not opened and not resolved and [d["id"] for d in log.active()] == [fid]
+    # Confirmed again: the same finding, and the hold starts over from there.
+    opened, _, _ = log.reconcile([dataclasses.replace(leak, start_s=1000, end_s=1899)], 1899, 999, held)
+    assert not opened
+    _, _, resolved = log.reconcile([], 2798, 1898, held)
+    assert not resolved
+    _, _, resolved = log.reconcile([], 2800, 1900, held)
+    assert [r.id for r in resolved] == [fid] and resolved[0].document()["end_s"] == 1899
+    # A kind not held is resolved by the first analysis that does not report it.
+    log = FindingLog()
+    log.reconcile([_finding(900, 1000)], 1000, 100, held)
+    _, _, resolved = log.reconcile([], 1010, 110, held)
+    assert len(resolved) == 1
