@@ -646,6 +646,23 @@ def test_a_given_baseline_replaces_the_windows_first_part():
     assert f.details["metrics"] == [M.inter_token_latency_seconds]
 
 
+@pytest.mark.parametrize("slow, found", [(2, False), (5, True)])
+def test_a_p99_made_by_one_or_two_slow_requests_is_no_regression(slow, found):
+    # 1.3 requests/s: a five-minute bucket holds a few hundred requests, the last (cut by the
+    # window's end) under a hundred, whose P99 is its slowest one or two.
+    rng = np.random.default_rng(11)
+    rows = []
+    for t in np.arange(1.0, 900.0, 0.75):
+        rows.append({"t": float(t), "node": NODE, "gpu": GPU, "engine": ENGINE,
+                     M.time_to_first_token_seconds: rng.lognormal(np.log(0.05), 0.4),
+                     M.inter_token_latency_seconds: 0.05, M.e2e_request_latency_seconds: 10.0})
+    late = [r for r in rows if r["t"] >= 830]
+    for r in late[:slow]:
+        r[M.time_to_first_token_seconds] = 0.6
+    got = [f for f in latency_regression.analyze(window(request=rows)) if f.kind == "latency_regression"]
+    assert bool(got) is found, [f.summary for f in got]
+
+
 def test_steady_latency_is_no_regression():
     assert latency_regression.analyze(window(request=request_rows(HOUR))) == []
 
