@@ -197,7 +197,10 @@ def _finding(key, start, end, rows, split=None) -> Finding:
         details[f"{metric}_p99_ratio"] = ratio
         details[f"{metric}_p50_ratio"] = p50_ratio
     details["pattern"] = STRAGGLERS if flat else BROAD
-    if flat:
+    # A tail of TTFT that grew in the queue is requests waiting for room, which no link or clock explains.
+    queued_tail = split is not None and split["cause"] == "queue" \
+        and set(rows) <= {M.time_to_first_token_seconds, M.e2e_request_latency_seconds}
+    if flat and not queued_tail:
         details["hint"] = STRAGGLER_HINT
     split_words = ""
     if split is not None:
@@ -215,7 +218,8 @@ def _finding(key, start, end, rows, split=None) -> Finding:
         kind=KIND, severity=Severity.CRITICAL if top >= CRITICAL_P99_RATIO else Severity.WARNING,
         start_s=float(start), end_s=float(end), node=key.get("node"), gpu=label_int(key.get("gpu")),
         summary="latency regression: " + "; ".join(words)
-                + (": P50 flat, stragglers or communication" if flat else ": the median slowed too") + split_words,
+                + (": the median slowed too" if not flat else ": P50 flat, a few requests waited" if queued_tail
+                   else ": P50 flat, stragglers or communication") + split_words,
         evidence=evidence, runbook=alert_name(KIND), fixes=list(FIX_NAMES), details=details,
     )
 

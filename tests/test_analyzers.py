@@ -612,6 +612,20 @@ def test_a_ttft_regression_says_whether_it_grew_in_the_queue_or_in_the_prefill(q
     assert e.observed >= 2.5 * e.baseline
 
 
+def test_a_few_requests_waiting_in_the_queue_is_not_blamed_on_links_or_clocks():
+    # From 40 min on, one request in twenty waits 2 s for room: TTFT P99 up, P50 flat, all in the queue.
+    rows = ttft_rows(HOUR, HOUR + 1)
+    rng = np.random.default_rng(3)
+    for r in rows:
+        if r["t"] >= 2400 and rng.random() < 0.05:
+            r[M.request_queue_time_seconds] += 2.0
+            r[M.time_to_first_token_seconds] += 2.0
+    f = only(latency_regression.analyze(window(request=rows)), "latency_regression")
+    assert f.details["pattern"] == latency_regression.STRAGGLERS and f.details["ttft_cause"] == "queue"
+    assert "hint" not in f.details and "communication" not in f.summary
+    assert "P50 flat, a few requests waited" in f.summary
+
+
 def test_without_queue_and_prefill_columns_a_ttft_regression_names_no_part():
     f = only(latency_regression.analyze(window(request=ttft_rows(HOUR, 2400, 60.0, parts=False))),
              "latency_regression")
