@@ -449,6 +449,27 @@ class EngineKV:
     capacity: float | None  # engine_kv_capacity_bytes at the last sample stating it; None when none does
 
 
+def label_values(col) -> set[str]:
+    """The distinct values of a label column, as strings."""
+    got = col.codes() if hasattr(col, "codes") and callable(col.codes) else None
+    if got is not None:
+        codes, uniques = got
+        return {str(uniques[c]) for c in np.unique(codes[codes >= 0]).tolist()}
+    return set(col.dropna().astype(str))
+
+
+def engine_identity(e) -> tuple[frozenset, frozenset]:
+    """(engine names, pids) one GPU's engine rows carry: who the engine is, as they say it.
+
+    A pid is what identifies the engine's process (NVML names a vLLM server "python3");
+    without one, the process named as the engine is its.
+    """
+    names = frozenset(label_values(e["engine"])) if "engine" in e else frozenset()
+    pids = frozenset(label_int(v) for v in dict.fromkeys(e["pid"].dropna().tolist())) if "pid" in e \
+        else frozenset()
+    return names, pids
+
+
 def engine_kv(e) -> EngineKV | None:
     """:class:`EngineKV` of one GPU's engine rows; None without the KV they hold or a name or pid."""
     if e.empty or M.engine_kv_reserved_bytes not in e or ("engine" not in e and "pid" not in e):
@@ -456,9 +477,7 @@ def engine_kv(e) -> EngineKV | None:
     e = e[e[M.engine_kv_reserved_bytes].notna()]
     if e.empty:
         return None
-    names = frozenset(e["engine"].dropna().tolist()) if "engine" in e else frozenset()
-    pids = frozenset(label_int(v) for v in dict.fromkeys(e["pid"].dropna().tolist())) if "pid" in e \
-        else frozenset()
+    names, pids = engine_identity(e)
     capacity = None
     if M.engine_kv_capacity_bytes in e:
         stated = e[M.engine_kv_capacity_bytes].dropna()
@@ -471,8 +490,8 @@ def engine_kv_of(p, pid, t: np.ndarray, allocated: np.ndarray, kv: EngineKV | No
     """The engine's KV bytes at ``t`` when process ``p`` (pid ``pid``, samples ``t``) is the engine's own,
     else None.
 
-    The engine's process is the pid its rows state, else (they state none) the process
-    named as the engine. Its KV must fit in ``allocated`` (the process' allocated bytes,
+    The engine's process is a pid its rows state, else (they state none) the process
+    named as the engine (:func:`engine_identity`). Its KV must fit in ``allocated`` (the process' allocated bytes,
     or any layer that holds them) at every sample, else it is not there.
     """
     if kv is None:
@@ -480,7 +499,7 @@ def engine_kv_of(p, pid, t: np.ndarray, allocated: np.ndarray, kv: EngineKV | No
     if kv.pids:
         if pid not in kv.pids:
             return None
-    elif "process" not in p or not set(p["process"].dropna().tolist()) & kv.names:
+    elif "process" not in p or not label_values(p["process"]) & kv.names:
         return None
     at = np.interp(t, kv.t, kv.reserved)
     if np.nanmin(allocated - at) < 0:

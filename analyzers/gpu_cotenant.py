@@ -1,9 +1,12 @@
 """gpu_cotenant: another process holds memory on the engine's GPU, and the engine's KV pool shrank for it.
 
 Definitions (per GPU, over 1 s samples):
-- the engine's process: the pid of the engine rows when they carry one,
-  else the process on that GPU whose name is the engine's name, else the
-  one with an in-process allocator reporter (torch columns);
+- the engine's process: the pids the engine rows carry (every one of them,
+  so an engine that restarted in the window is not its own co-tenant; the
+  last is the one reported), else the process on that GPU whose name is the
+  engine's name (analyzers.common.engine_identity, as memory_leak and
+  oom_forecast read it), else the one with an in-process allocator reporter
+  (torch columns);
 - a co-tenant: any other pid on that GPU whose driver-charged memory
   (NVML per-process used memory) is at least COTENANT_MIN_RATIO of the
   device (a monitoring agent's CUDA context is not one);
@@ -28,7 +31,7 @@ from gpudiag.findings import Evidence, Finding, Severity, alert_name
 from gpudiag.frames import Rows, Window
 from gpudiag.units import fmt_bytes
 
-from .common import episodes, label_int, per_entity, subset
+from .common import engine_identity, episodes, label_int, per_entity, subset
 
 KIND = "gpu_cotenant"
 
@@ -67,10 +70,12 @@ def analyze(window: Window) -> list[Finding]:
         procs = _processes(on_gpu, key)
         if not procs:
             continue
-        engine_pid = _engine_pid(e, procs)
+        names, pids = engine_identity(e)
+        engine_pid = _engine_pid(e, procs, names, pids)
         total = _device_bytes(gpu, key)
         min_bytes = COTENANT_MIN_RATIO * total if total else COTENANT_MIN_RATIO * 80 * 1024**3
-        others = [q for q in procs if q.pid != engine_pid]
+        # Every pid the engine rows state is the engine's (one that restarted in the window, too).
+        others = [q for q in procs if q.pid != engine_pid and q.pid not in pids]
         rows = [(q, np.flatnonzero(q.ok & (np.nan_to_num(q.mem) >= min_bytes))) for q in others]
         rows = [(q, at) for q, at in rows if at.size]
         if not rows:
@@ -172,12 +177,13 @@ def _processes(on_gpu: dict[tuple, list[_Process]], key: dict) -> list[_Process]
     return out
 
 
-def _engine_pid(e, procs: list[_Process]):
-    """The engine's pid: stated on its rows, else the process named as the engine, else the one with torch columns."""
-    if "pid" in e and e["pid"].notna().any():
+def _engine_pid(e, procs: list[_Process], names: frozenset, pids: frozenset):
+    """The engine's pid: the last its rows state, else the process named as the engine (``names``, ``pids``:
+    common.engine_identity), else the one with torch columns."""
+    if pids:
         return int(e["pid"].dropna().iloc[-1])
-    if "engine" in e:
-        best = _last_named(procs, _labels(e["engine"]))
+    if names:
+        best = _last_named(procs, names)
         if best[0] > -np.inf:
             return best[1]
     for col in (M.process_torch_reserved_bytes, M.process_torch_allocated_bytes):
@@ -258,15 +264,6 @@ def _nearest(xt: np.ndarray, xv: np.ndarray, t: np.ndarray, tolerance: float) ->
 def _same(a, b) -> bool:
     """Equal labels, or a label one side lacks."""
     return _isna(a) or _isna(b) or a == b
-
-
-def _labels(col) -> set[str]:
-    """The distinct values of a label column, as strings."""
-    got = col.codes() if hasattr(col, "codes") and callable(col.codes) else None
-    if got is not None:
-        codes, uniques = got
-        return {str(uniques[c]) for c in np.unique(codes[codes >= 0]).tolist()}
-    return set(col.dropna().astype(str))
 
 
 def _isna(v) -> bool:

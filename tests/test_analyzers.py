@@ -432,6 +432,19 @@ def test_an_engine_alone_on_its_gpu_has_no_cotenant():
     assert gpu_cotenant.analyze(cotenant_window(cotenant=False)) == []
 
 
+def test_an_engine_that_restarted_in_the_window_is_not_its_own_cotenant():
+    # The engine restarted with a smaller pool: its old process (pid 4100, stated by its rows) held
+    # 40 GiB until it exited at 400 s, its new one (pid 4200) runs from 300 s.
+    n = 900
+    old = [r for r in process_rows(n, **{M.process_gpu_memory_bytes: 40 * GiB}) if r["t"] <= 400]
+    new = [r for r in process_rows(n, pid=4200, **{M.process_gpu_memory_bytes: 30 * GiB}) if r["t"] >= 300]
+    eng = engine_rows(n, **{M.engine_kv_capacity_bytes: 9 * GiB, M.engine_kv_capacity_nominal_bytes: 45 * GiB})
+    for r in eng:
+        r["pid"] = ENGINE_PID if r["t"] < 300 else 4200
+    w = window(process=old + new, engine=eng, gpu=gpu_rows(n, **{M.gpu_memory_total_bytes: 80 * GiB}))
+    assert gpu_cotenant.analyze(w) == []
+
+
 def test_a_cotenant_finding_heads_the_eviction_storm_it_caused():
     n = HOUR
     storm_rows = vllm_engine_rows(n, storm=(1200, 2400))
