@@ -10,7 +10,9 @@ Definitions (per GPU and process, per 1 s sample):
   the largest free block < S: no hole fits although enough is free.
 
 A finding covers the seconds with such failures (merged when closer than
-MERGE_GAP_S) while external fragmentation is at least the threshold.
+MERGE_GAP_S) while external fragmentation is at least the threshold. Its
+summary and evidence tell one moment of it: the failure that missed by the
+most (failed size minus the largest hole).
 """
 
 from __future__ import annotations
@@ -64,7 +66,9 @@ def analyze(window: Window) -> list[Finding]:
         for start, end in episodes(t, mask, MERGE_GAP_S):
             sel = (t >= start) & (t <= end)
             n_fail = int(failures[sel & with_free].sum())
-            i_worst = int(np.argmax(np.where(sel & with_free, failed_bytes - largest, -np.inf)))
+            # The moment the summary and every evidence row tell: the failure that missed by the most,
+            # among those of the episode (with free memory, fragmented past the threshold).
+            i_worst = int(np.argmax(np.where(sel & mask, failed_bytes - largest, -np.inf)))
             retries = _delta(p, M.process_torch_alloc_retries_total, sel)
             findings.append(Finding(
                 kind=KIND,
@@ -75,7 +79,7 @@ def analyze(window: Window) -> list[Finding]:
                          f"found at most a {_gib(largest[i_worst])} hole while {_gib(free[i_worst])} was free "
                          f"in reserved segments (external fragmentation {frag[i_worst]:.0%})"),
                 evidence=[
-                    Evidence(M.process_torch_external_fragmentation_ratio, float(frag[sel].max()), None,
+                    Evidence(M.process_torch_external_fragmentation_ratio, float(frag[i_worst]), None,
                              FRAGMENTATION_RATIO_THRESHOLD, "ratio"),
                     Evidence(M.engine_kv_failed_request_bytes, float(failed_bytes[i_worst]), None,
                              float(largest[i_worst]), "bytes"),

@@ -10,6 +10,7 @@ from gpudiag.analyzers import (
     hardware_errors,
     kv_eviction_storm,
     latency_regression,
+    memory_fragmentation,
     memory_leak,
     oom_forecast,
     throttling,
@@ -401,6 +402,29 @@ def test_a_busy_gpu_an_idle_engine_or_a_full_queue_is_not_cpu_starvation():
     assert cpu_starved_gpu.analyze(starved_window(util=0.7, thread=0.4)) == []
     assert cpu_starved_gpu.analyze(starved_window(util=0.05, thread=0.99, arrivals_per_s=0.0)) == []
     assert cpu_starved_gpu.analyze(starved_window(util=0.1, thread=0.99, waiting=40.0)) == []
+
+
+# --- fragmentation ------------------------------------------------------------------------------
+
+def test_a_fragmentation_finding_tells_one_moment_in_its_summary_and_its_evidence():
+    # Failures of a 1 GiB request from 300 s to 400 s with 1.5 GiB free in holes of 256 MiB; between
+    # failures the holes shrink further (95 % fragmented) with nothing failing.
+    n = 900
+    failing = lambda t: 300 <= t <= 400 and t % 10 == 0  # noqa: E731
+    largest = lambda t: 256 * MiB if failing(t) else 80 * MiB  # noqa: E731
+    proc = process_rows(n, **{M.process_torch_reserved_bytes: 40 * GiB,
+                              M.process_torch_allocated_bytes: 40 * GiB - 1.5 * GiB,
+                              M.process_torch_largest_free_block_bytes: largest,
+                              M.process_torch_alloc_retries_total: lambda t: float(t)})
+    count = lambda t: float(sum(1 for x in range(1, int(t) + 1) if failing(x)))  # noqa: E731
+    eng = engine_rows(n, **{M.engine_kv_alloc_failures_total: count,
+                            M.engine_kv_failed_request_bytes: lambda t: float(GiB) if failing(t) else 0.0})
+    f = only(memory_fragmentation.analyze(window(process=proc, engine=eng)), "memory_fragmentation")
+    ev = evidence(f)
+    frag = ev[M.process_torch_external_fragmentation_ratio].observed
+    assert frag == pytest.approx(1 - 256 / 1536)
+    assert f"external fragmentation {frag:.0%}" in f.summary
+    assert ev[M.process_torch_largest_free_block_bytes].observed == 256 * MiB
 
 
 # --- co-tenant ---------------------------------------------------------------------------------
