@@ -88,6 +88,9 @@ def test_the_report_names_the_chain_the_runbook_and_writes_a_self_contained_html
     assert out.index("memory_fragmentation") < out.index("kv_eviction_storm")
     assert "gpudiag runbook GpudiagKvEvictionStorm" in out
     assert "gpudiag repro kv-eviction-storm --fix paged-kv" in out
+    # paged-kv fixes the fragmentation and the storm alike: shown once, under the first.
+    fixes = [line.split("check a fix:")[1].strip() for line in out.splitlines() if "check a fix:" in line]
+    assert fixes and len(fixes) == len(set(fixes)), fixes
     assert "Could not be checked" in out and "eBPF" in out
     text = html.read_text(encoding="utf-8")
     assert not re.search(r"<script[^>]+src=", text), "the report must not load scripts from anywhere"

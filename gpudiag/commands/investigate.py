@@ -191,10 +191,13 @@ def _print(out: Console, doc: dict, findings, html: str | None) -> None:
             out.print(f"  n/a: {r}", markup=False, style="dim")
     if doc["next_steps"]:
         out.print("What to do next:", style="bold")
+        shown: set[str] = set()  # a fix several findings share is shown under the first of them
         for step in doc["next_steps"]:
             out.print(f"  read the runbook:  {step['command']}", markup=False)
             for cmd in step["repro"]:
-                out.print(f"    check a fix:     {cmd}", markup=False)
+                if cmd not in shown:
+                    shown.add(cmd)
+                    out.print(f"    check a fix:     {cmd}", markup=False)
     if doc["gaps"]:
         out.print("Could not be checked:", style="bold")
         for g in doc["gaps"]:
