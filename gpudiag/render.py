@@ -13,8 +13,12 @@ from gpudiag.units import fmt_seconds, fmt_value
 _STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 
 
-def findings_panel(findings: list[Finding], title: str = "Findings") -> Panel:
-    """The findings in chain order (root cause first), each with its evidence table."""
+def findings_panel(findings: list[Finding], title: str = "Findings", scenario=None) -> Panel:
+    """The findings in chain order (root cause first), each with its evidence table.
+
+    ``scenario`` (a reference_engine Scenario, for repro's runs): each finding's fixes that
+    the scenario offers are shown as the ``gpudiag repro`` command that checks them.
+    """
     if not findings:
         return Panel(Text("no findings", style="green"), title=title)
     parts = []
@@ -38,7 +42,9 @@ def findings_panel(findings: list[Finding], title: str = "Findings") -> Panel:
                        fmt_value(e.threshold, e.unit))
         parts.append(ev)
         nxt = Text("  " * depth + f"   runbook: {f.runbook}")
-        if f.fixes:
-            nxt.append("   check a fix: " + " | ".join(f"gpudiag repro --fix {x}" for x in f.fixes), style="dim")
+        checks = [f"gpudiag repro {scenario.name} --fix {x}" for x in f.fixes if x in scenario.fixes] \
+            if scenario is not None else []
+        if checks:
+            nxt.append("   check a fix: " + " | ".join(checks), style="dim")
         parts.append(nxt)
     return Panel(Group(*parts), title=title)

@@ -1,6 +1,7 @@
 """`gpudiag repro` from the command line: reproducible JSON, side-by-side fixes, one-line errors."""
 
 import json
+import os
 
 import pytest
 
@@ -34,6 +35,14 @@ def test_the_report_prints_the_incident_table_and_both_runs(cli):
                  "Verdict"):
         assert text in r.stdout
     assert "Traceback" not in r.stderr
+
+
+def test_a_findings_fix_is_shown_as_the_command_that_checks_it(cli):
+    r = cli("repro", "cpu-starved", env={**os.environ, "COLUMNS": "200"})
+    assert r.returncode == 0, r.stderr
+    checks = [line.split("check a fix:")[1].strip(" │") for line in r.stdout.splitlines() if "check a fix:" in line]
+    assert checks and all(c.startswith("gpudiag repro cpu-starved --fix ") for c in checks), checks
+    assert "gpudiag repro cpu-starved --fix preprocess-workers" in checks[0]
 
 
 def test_list_names_every_scenario_and_fix(cli):

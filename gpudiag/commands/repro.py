@@ -192,7 +192,7 @@ def _print_report(out: Console, sc, docs, results) -> None:
     out.print(_slo_table(docs))
     for d, res in zip(docs, results):
         title = "Findings" + (f" with --fix {d['fix']}" if d["fix"] else " (unfixed)")
-        out.print(findings_panel(res.findings, title))
+        out.print(findings_panel(res.findings, title, res.scenario))
     if len(docs) == 2:
         before = {f.kind for f in results[0].findings}
         after = {f.kind for f in results[1].findings}
