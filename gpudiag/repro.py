@@ -102,6 +102,55 @@ def by_context(requests: pd.DataFrame) -> dict[str, dict[str, Any]]:
     return out
 
 
+# A phase after the first has recovered once the TTFT and TPOT P99 of the requests arriving in
+# every five minutes (a window sliding a minute at a time) stay within half again of a typical
+# calm window's (the median over the first phase's windows). Five minutes hold thousands of
+# requests at the field's load, whose P99 (the thirtieth slowest of 3000) moves little; a single
+# minute's P99 (the sixth slowest of 600) passed half again of the median in calm minutes. The
+# paged-kv check uses the same margin.
+RECOVERY_RATIO = 1.5
+RECOVERY_WINDOW_S = 300.0
+RECOVERY_STEP_S = 60.0
+# A window's P99 is judged from this many requests at least (fewer: the slowest one or two).
+MIN_RECOVERY_REQUESTS = 50
+_RECOVERY_COLUMNS = (M.time_to_first_token_seconds, M.inter_token_latency_seconds)
+
+
+def window_p99s(requests: pd.DataFrame, start: float, end: float) -> list[tuple[float, list[float]]]:
+    """(window start, [TTFT P99, TPOT P99]) of the RECOVERY_WINDOW_S windows inside [start, end), one
+    each RECOVERY_STEP_S, of MIN_RECOVERY_REQUESTS arrivals or more (requests by arrival time); [] without
+    the columns."""
+    if requests.empty or any(c not in requests for c in _RECOVERY_COLUMNS):
+        return []
+    arrival = requests["arrival_s"].to_numpy(float)
+    values = [requests[c].to_numpy(float) for c in _RECOVERY_COLUMNS]
+    out = []
+    for a in np.arange(start, max(end - RECOVERY_WINDOW_S, start) + 1e-9, RECOVERY_STEP_S):
+        sel = (arrival >= a) & (arrival < min(a + RECOVERY_WINDOW_S, end))
+        if np.count_nonzero(sel) >= MIN_RECOVERY_REQUESTS:
+            out.append((float(a), [float(np.percentile(v[sel], 99)) for v in values]))
+    return out
+
+
+def recovered_after_s(windows: list[tuple[float, list[float]]], start: float, end: float,
+                      calm: list[tuple[float, list[float]]]) -> float | None:
+    """Seconds from ``start`` after which every window of the phase (:func:`window_p99s`) holds its TTFT
+    and TPOT P99 within RECOVERY_RATIO of the median ``calm`` window's; 0 when it never left them.
+
+    None when it does not get back within the phase, or nothing can be judged (no calm window,
+    no window of the phase).
+    """
+    if not calm or not windows:
+        return None
+    limits = [RECOVERY_RATIO * float(np.median([w[1][i] for w in calm])) for i in range(len(_RECOVERY_COLUMNS))]
+    bad = [a for a, p99 in windows if any(v > lim for v, lim in zip(p99, limits))]
+    if not bad:
+        return 0.0
+    if bad[-1] == windows[-1][0]:
+        return None
+    return float(bad[-1] + RECOVERY_STEP_S - start)
+
+
 def _delta(df: pd.DataFrame, col: str) -> int:
     if df.empty or col not in df:
         return 0
@@ -112,8 +161,9 @@ def phase_stats(res: RunResult) -> list[dict[str, Any]]:
     """Per phase: SLOs of requests that arrived in it, GPU utilization, evictions, failures, memory, CPU."""
     w = res.window
     gpu, eng, proc, req = w.table("gpu"), w.table("engine"), w.table("process"), w.table("request")
-    out = []
+    out: list[dict[str, Any]] = []
     prev_eng = None
+    calm: list[tuple[float, list[float]]] = []  # the first phase's windows, what later ones recover to
     for name, start, end in res.scenario.phases:
         g = gpu[(gpu["t"] > start) & (gpu["t"] <= end)]
         e = eng[(eng["t"] > start) & (eng["t"] <= end)]
@@ -144,9 +194,12 @@ def phase_stats(res: RunResult) -> list[dict[str, Any]]:
             "host_cpu_mean": float(cpu.mean()) if cpu.size else None,
             "host_cpu_max": float(cpu.max()) if cpu.size else None,
             "requests": int(len(r)),
+            "recovered_after_s": recovered_after_s(window_p99s(r, start, end), start, end, calm) if out else None,
         })
         if not e.empty:
             prev_eng = e.iloc[[-1]]
+        if len(out) == 1:
+            calm = window_p99s(r, start, end)
     return out
 
 

@@ -33,6 +33,16 @@ def test_the_long_phase_brings_allocation_failures_and_evictions_that_calm_phase
     assert ph["after"]["evictions"] < ph["during"]["evictions"] / 2
 
 
+def test_latency_comes_back_within_minutes_of_the_long_phase_and_paged_kv_never_leaves(storm, paged):
+    # The field's storm "self-recovers" when the mix turns short again: the queue it left drains.
+    ph = phases(storm[1])
+    assert ph["before"]["recovered_after_s"] is None  # the reference
+    assert ph["during"]["recovered_after_s"] is None  # not within the phase
+    assert 0 < ph["after"]["recovered_after_s"] <= 1200  # seed 0: 6 min; seeds 1 and 2: 15 and 19
+    fixed = phases(paged[1])
+    assert fixed["during"]["recovered_after_s"] == 0 and fixed["after"]["recovered_after_s"] == 0
+
+
 def test_the_load_stays_the_same_across_phases(storm):
     _, doc = storm
     qps = [p["qps"] for p in doc["phases"]]

@@ -102,3 +102,19 @@ def test_a_terminal_sees_a_progress_bar_and_a_pipe_does_not(tmp_path):
     tty_text = b"".join(chunks).decode(errors="replace")
     assert "simulated" in tty_text and "/900 s" in tty_text
     assert "simulated" not in out.read_text()
+
+
+def test_recovery_is_the_start_of_the_last_run_of_windows_within_the_calm_ones():
+    from gpudiag import repro
+
+    calm = [(float(a), [0.2, 0.04]) for a in range(0, 600, 60)]  # limits 0.3 s TTFT, 0.06 s TPOT
+
+    def windows(bad):
+        return [(1000.0 + a, [0.9, 0.04] if a in bad else [0.2, 0.05]) for a in range(0, 900, 60)]
+
+    assert repro.recovered_after_s(windows(set()), 1000.0, 2200.0, calm) == 0.0
+    assert repro.recovered_after_s(windows({0, 60, 300}), 1000.0, 2200.0, calm) == 360.0
+    assert repro.recovered_after_s(windows({840}), 1000.0, 2200.0, calm) is None  # still out at the end
+    assert repro.recovered_after_s(windows({0}), 1000.0, 2200.0, []) is None  # no reference to come back to
+    tpot_only = [(1000.0, [0.2, 0.1]), (1060.0, [0.2, 0.05])]
+    assert repro.recovered_after_s(tpot_only, 1000.0, 2200.0, calm) == 60.0

@@ -133,7 +133,18 @@ def _by_context(p) -> str:
     return "\n".join(lines) or "n/a"
 
 
+def _recovered(p, i: int) -> str:
+    if i == 0:
+        return "(the reference)"
+    after = p.get("recovered_after_s")
+    if after is None:
+        return "not within the phase"
+    return "throughout" if after == 0 else f"{fmt_seconds(after)} into the phase"
+
+
 def _incident_table(doc) -> Table:
+    from gpudiag.repro import RECOVERY_RATIO
+
     phases = doc["phases"]
     t = Table(title=f"{doc['scenario']}" + (f" with --fix {doc['fix']}" if doc["fix"] else " (unfixed)"))
     t.add_column("signal", style="bold")
@@ -152,6 +163,8 @@ def _incident_table(doc) -> Table:
         ("host CPU (engine)", [f"{fmt_ratio(p['host_cpu_mean'])} mean, {fmt_ratio(p['host_cpu_max'])} max"
                                for p in phases]),
         ("evictions / alloc failures", [f"{p['evictions']} / {p['alloc_failures']}" for p in phases]),
+        (f"TTFT and TPOT P99 back within {RECOVERY_RATIO:g}x of {phases[0]['name']}",
+         [_recovered(p, i) for i, p in enumerate(phases)]),
     ]
     for name, cells in rows:
         t.add_row(name, *cells)
