@@ -86,8 +86,8 @@ FIX_NAMES = ("no-leak",)
 # A streaming finding stays open until a whole window has passed since an analysis last
 # confirmed it. Within fifteen minutes a serving batch swings a process's memory by GiB
 # (activations, realloc copies) where a leak adds a few hundred MiB, so only some windows
-# confirm a leak that goes on all the time (SCENARIOS.md §5's leak: about one window in
-# ten); a window that cannot confirm the trend is no sign that it stopped.
+# confirm a leak that goes on all the time (the tensor-leak scenario's, SCENARIOS.md §6: two
+# windows in 36); a window that cannot confirm the trend is no sign that it stopped.
 HELD_FOR_A_WINDOW = True
 
 
