@@ -10,11 +10,13 @@ queries that cannot have data on a simulated node are named below, with the
 reason, and must be exactly the ones that come back empty. The latency-by-
 context-length panels must split the storm's long requests from the short
 ones, and the simulated GPU's link and error counters must read as a healthy
-device's.
+device's. A second pair runs the tensor-leak scenario: its leak alert must fire
+and keep firing while the leak goes on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -208,13 +210,16 @@ def _agent_sim_seconds(url: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """Agent + Prometheus through the healthy phase and until the storm alert fires; the run's timings."""
+@contextlib.contextmanager
+def agent_and_prometheus(tmp: Path, scenario: str):
+    """A real Prometheus with the (shortened) alert rules, scraping ``gpudiag agent --sim scenario``.
+
+    Yields (Prom, the agent's /metrics URL, the wall ``for`` per alert, wall time of the first
+    scrape, the processes); both are stopped on exit.
+    """
     if not os.path.exists(PROMETHEUS):
         pytest.fail(f"{PROMETHEUS} not found: install Debian's prometheus package "
                     "(scripts/system-deps.d/20-prometheus.sh; CI runs it)")
-    tmp = tmp_path_factory.mktemp("e2e")
     agent_port, prom_port = _free_port(), _free_port()
     rules, windows = shortened_rules((DASH_DIR / "alerts.yaml").read_text(), SIM_SPEED)
     (tmp / "alerts.yaml").write_text(rules)
@@ -238,33 +243,39 @@ def run(tmp_path_factory):
         assert loaded == set(windows), "Prometheus did not load every rule of alerts.yaml"
 
         agent_proc = subprocess.Popen(
-            [sys.executable, "-m", "gpudiag", "agent", "--sim", SCENARIO, "--speed", str(SIM_SPEED), "--seed", "0",
+            [sys.executable, "-m", "gpudiag", "agent", "--sim", scenario, "--speed", str(SIM_SPEED), "--seed", "0",
              "--store", str(tmp / "store.db"), "--listen", f"127.0.0.1:{agent_port}"],
             stdout=agent_log, stderr=subprocess.STDOUT)
         procs.append(agent_proc)
         metrics = f"http://127.0.0.1:{agent_port}/metrics"
         _wait("agent /metrics", AGENT_READY_S, lambda: _http_ok(metrics), agent_proc)
-        started = time.time()
         _wait("the agent's first scrape", AGENT_READY_S,
               lambda: prom.instant('up{job="gpudiag"} == 1'), agent_proc, prom_proc)
-
-        _wait(f"simulated time {HEALTHY_END_SIM_S:g} s", STORM_FIRING_S,
-              lambda: (_agent_sim_seconds(metrics) or 0) >= HEALTHY_END_SIM_S, agent_proc, prom_proc)
-        healthy_end = time.time()
-
-        storm = alert_name(STORM_KIND)
-        firing_sel = f'ALERTS{{alertname="{storm}", alertstate="firing"}}'
-        _wait(f"{storm} firing", STORM_FIRING_S, lambda: prom.instant(firing_sel), agent_proc, prom_proc)
-        fired_seen = time.time()
-        # A few more scrapes, so every rate() window at the end of the span holds samples.
-        time.sleep(3 * SCRAPE_INTERVAL_S)
-        yield {"prom": prom, "tmp": tmp, "windows": windows, "started": started, "healthy_end": healthy_end,
-               "fired_seen": fired_seen, "end": time.time(), "storm": storm}
+        yield prom, metrics, windows, time.time(), (agent_proc, prom_proc)
     finally:
         for p in reversed(procs):
             _stop(p)
         prom_log.close()
         agent_log.close()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """Agent + Prometheus through the healthy phase and until the storm alert fires; the run's timings."""
+    tmp = tmp_path_factory.mktemp("e2e")
+    with agent_and_prometheus(tmp, SCENARIO) as (prom, metrics, windows, started, procs):
+        _wait(f"simulated time {HEALTHY_END_SIM_S:g} s", STORM_FIRING_S,
+              lambda: (_agent_sim_seconds(metrics) or 0) >= HEALTHY_END_SIM_S, *procs)
+        healthy_end = time.time()
+
+        storm = alert_name(STORM_KIND)
+        firing_sel = f'ALERTS{{alertname="{storm}", alertstate="firing"}}'
+        _wait(f"{storm} firing", STORM_FIRING_S, lambda: prom.instant(firing_sel), *procs)
+        fired_seen = time.time()
+        # A few more scrapes, so every rate() window at the end of the span holds samples.
+        time.sleep(3 * SCRAPE_INTERVAL_S)
+        yield {"prom": prom, "tmp": tmp, "windows": windows, "started": started, "healthy_end": healthy_end,
+               "fired_seen": fired_seen, "end": time.time(), "storm": storm}
 
 
 def test_healthy_phase_fires_no_alert(run):
@@ -421,3 +432,34 @@ def test_rules_are_shortened_in_proportion_to_the_speed():
                                     "  - alert: B\n    expr: up\n    for: 0m\n  - alert: C\n    expr: up\n", 100.0)
     assert windows == {"A": 3, "B": 0, "C": 0}
     assert yaml.safe_load(text)["groups"][0]["interval"] == f"{EVALUATION_INTERVAL_S}s"
+
+
+# The tensor-leak scenario's leak is found by the agent's streaming analysis at simulated ~840 s
+# and goes on until the OOM at ~11 100 s; watched through simulated LEAK_WATCH_END_SIM_S.
+LEAK_SCENARIO = "tensor-leak"
+LEAK_WATCH_END_SIM_S = 3600.0
+LEAK_FIRING_S = 60.0
+
+
+def test_a_leak_alert_fires_and_keeps_firing_while_the_leak_goes_on(tmp_path):
+    # A busy process's memory swings more within a 15-minute window than the leak adds, so only
+    # some analyses confirm it; its finding must stay open between them, long enough for the
+    # alert's `for: 5m` and without resolving and firing again.
+    leak = alert_name("memory_leak")
+    firing_sel = f'ALERTS{{alertname="{leak}", alertstate="firing"}}'
+    with agent_and_prometheus(tmp_path, LEAK_SCENARIO) as (prom, metrics, windows, started, procs):
+        _wait(f"{leak} firing", LEAK_FIRING_S, lambda: prom.instant(firing_sel), *procs)
+        fired = time.time()
+        _wait(f"simulated time {LEAK_WATCH_END_SIM_S:g} s", LEAK_FIRING_S,
+              lambda: (_agent_sim_seconds(metrics) or 0) >= LEAK_WATCH_END_SIM_S, *procs)
+        end = time.time()
+        series = prom.over(firing_sel, fired, end)
+        stamps = sorted(float(v[0]) for s in series for v in s["values"])
+        opened = prom.over('gpudiag_finding_active{kind="memory_leak"} == 1', started, end)
+    print(f"\n{leak}: firing from +{fired - started:.1f} s to +{end - started:.1f} s (wall), "
+          f"{len(stamps)} evaluations, finding series {len(opened)}")
+    assert len(opened) == 1, "one finding, open all along"
+    # Firing at every evaluation from the first until the end of the watch (1 s steps, a second of slack).
+    assert stamps and stamps[-1] >= end - 2 * EVALUATION_INTERVAL_S
+    assert max(b - a for a, b in zip(stamps, stamps[1:] + [stamps[-1]])) <= 2 * EVALUATION_INTERVAL_S, \
+        "the alert stopped firing while the leak went on"
