@@ -747,11 +747,13 @@ class Agent:
 
     def analyze_once(self) -> list[Finding]:
         """Run every analyzer over the in-memory window once; log, store and export what changed."""
-        from gpudiag.analyzers.registry import HELD_FOR_A_WINDOW, run_streaming
+        from gpudiag.analyzers.registry import HELD_FOR_A_WINDOW, held_arguments, run_streaming
 
         started, started_cpu = time.perf_counter(), time.thread_time()
         win = self.window.window(self.node)
-        findings = run_streaming(win, {rec.key[0] for rec in self.findings.open.values()}) if win.tables else []
+        open_now = list(self.findings.open.values())
+        findings = run_streaming(win, {rec.key[0] for rec in open_now},
+                                 held_arguments(rec.finding for rec in open_now)) if win.tables else []
         opened, updated, resolved = self.findings.reconcile(findings, win.end_s, win.start_s, HELD_FOR_A_WINDOW)
         self.analysis_seconds = time.perf_counter() - started
         self.analyses += 1

@@ -30,7 +30,8 @@ both parts, the finding says which of the two grew (``details["ttft_cause"]``:
 baseline): requests waiting for room (KV memory, batch slots) is another
 fault than a prefill that got slower (longer prompts, recompute, a slower GPU).
 Against a given ``baseline`` the parts have none of their own, and the split
-is left out.
+is left out unless it holds theirs too (a finding's ``details["baseline"]``
+does).
 
 One finding per GPU and episode of regressed buckets (merged within
 MERGE_GAP_S), with an evidence row per regressed metric; critical at
@@ -86,8 +87,15 @@ STRAGGLER_HINT = ("P99 up with P50 normal: a few requests are very slow. Check N
 FIX_NAMES: tuple[str, ...] = ()
 
 
-def analyze(window: Window, baseline: dict[str, dict[str, float]] | None = None) -> list[Finding]:
-    """Latency regressions per GPU against the window's first part (or ``baseline``)."""
+def analyze(window: Window, baseline: dict[str, dict[str, float]] | None = None,
+            baselines: dict[tuple, dict[str, dict[str, float]]] | None = None) -> list[Finding]:
+    """Latency regressions per GPU against the window's first part (or ``baseline``).
+
+    ``baselines``: per (node, gpu), the baseline a regression still open there was found
+    against (its ``details["baseline"]``). The agent hands it back while the finding is open:
+    a regression that lasts longer than the window's first part would otherwise be measured
+    against itself, resolve, and come back against a baseline it had raised.
+    """
     samples = _samples(window)
     if not samples:
         return []
@@ -95,17 +103,20 @@ def analyze(window: Window, baseline: dict[str, dict[str, float]] | None = None)
     findings = []
     for (node, gpu), by_metric in samples.items():
         key = {"node": node, "gpu": gpu}
+        given = baseline if baseline is not None else (baselines or {}).get((node, label_int(gpu)))
         start_all = min(float(t.min()) for t, *_ in by_metric.values())
         end_all = max(float(t.max()) for t, *_ in by_metric.values())
-        base_end = start_all + BASELINE_SHARE * (end_all - start_all) if baseline is None else start_all
+        base_end = start_all + BASELINE_SHARE * (end_all - start_all) if given is None else start_all
         edges = np.arange(base_end, end_all + BUCKET_S, BUCKET_S)
         regressed: dict[str, list] = {}
         bucket_t = []
+        bases: dict[str, dict] = {}
         for metric, (t, p99, p50, weight) in by_metric.items():
             t, p99, p50, weight = by_time(t, p99, p50, weight)
-            base = (baseline or {}).get(metric) or _base(t, p99, p50, weight, base_end)
+            base = (given or {}).get(metric) or _base(t, p99, p50, weight, base_end)
             if base is None or not base["p99"] or base["p99"] <= 0:
                 continue
+            bases[metric] = base
             # t is sorted: each bucket [a, b) is a slice, and its weight a difference of running sums
             # (its length, for requests: one each).
             cuts = np.searchsorted(t, edges, side="left").tolist()
@@ -135,8 +146,8 @@ def analyze(window: Window, baseline: dict[str, dict[str, float]] | None = None)
             split = None
             if M.time_to_first_token_seconds in rows:
                 parts = _ttft_parts(window) if parts is None else parts
-                split = _ttft_split(parts.get(_k(key)), base_end, start, end)
-            findings.append(_finding(key, start, end, rows, split))
+                split = _ttft_split(parts.get(_k(key)), base_end, start, end, given)
+            findings.append(_finding(key, start, end, rows, split, bases))
     return findings
 
 
@@ -163,23 +174,31 @@ def _request_series(req, columns) -> dict:
     return out
 
 
-def _ttft_split(parts: dict | None, base_end: float, start: float, end: float) -> dict | None:
-    """Per part, its P99 over [start, end) and before base_end; and which part rose more over its own."""
+def _ttft_split(parts: dict | None, base_end: float, start: float, end: float,
+                given: dict | None = None) -> dict | None:
+    """Per part, its P99 over [start, end) and before base_end (or in ``given``, a baseline handed
+    back); and which part rose more over its own."""
     if not parts or len(parts) != len(TTFT_PARTS):
         return None
     out: dict = {}
     for part, (t, v) in parts.items():
+        held = (given or {}).get(TTFT_PARTS[part])
         base, now = v[t < base_end], v[(t >= start) & (t < end)]
-        if base.size < MIN_REQUESTS or now.size < MIN_REQUESTS:
+        if (held is None and base.size < MIN_REQUESTS) or now.size < MIN_REQUESTS:
             return None
-        out[part] = (percentile(now, 99), percentile(base, 99))
+        out[part] = (percentile(now, 99), held["p99"] if held is not None else percentile(base, 99))
     out["cause"] = max(TTFT_PARTS, key=lambda p: out[p][0] - out[p][1])
     return out
 
 
-def _finding(key, start, end, rows, split=None) -> Finding:
+def _finding(key, start, end, rows, split=None, bases=None) -> Finding:
     evidence, ratios, flat, words = [], [], True, []
     details: dict = {"metrics": sorted(rows)}
+    # What it was measured against, every latency's and TTFT's parts': handed back while it is open.
+    details["baseline"] = {m: {"p50": b.get("p50"), "p99": b["p99"]} for m, b in (bases or {}).items()}
+    if split is not None:
+        details["baseline"].update({column: {"p50": None, "p99": split[part][1]}
+                                    for part, column in TTFT_PARTS.items()})
     for metric, rs in rows.items():
         base = rs[0][4]
         worst = max(rs, key=lambda r: r[2])

@@ -65,11 +65,24 @@ def run_all(window: Window) -> list[Finding]:
     return chain.assemble(findings)
 
 
-def run_streaming(window: Window, open_kinds: Iterable[str] = ()) -> list[Finding]:
+def held_arguments(open_findings: Iterable[Finding]) -> dict[str, dict]:
+    """Per kind, what its analyzer is given while findings of it are open (for :func:`run_streaming`).
+
+    latency_regression: the baseline each open regression was found against, per (node, gpu),
+    so a regression longer than the window's first part is not measured against itself.
+    """
+    baselines = {(f.node, f.gpu): f.details["baseline"] for f in open_findings
+                 if f.kind == latency_regression.KIND and f.details.get("baseline")}
+    return {latency_regression.KIND: {"baselines": baselines}} if baselines else {}
+
+
+def run_streaming(window: Window, open_kinds: Iterable[str] = (),
+                  held: dict[str, dict] | None = None) -> list[Finding]:
     """:func:`run_all`'s findings, leaving out the analyzers whose :data:`MAY_FIND` test rules any out.
 
     An analyzer with a finding of its kind open (``open_kinds``) always runs, so what is
-    open is updated and resolved by the analysis itself.
+    open is updated and resolved by the analysis itself; ``held`` (:func:`held_arguments`)
+    gives it what those findings were measured against.
     """
     keep = set(open_kinds)
     findings: list[Finding] = []
@@ -77,5 +90,5 @@ def run_streaming(window: Window, open_kinds: Iterable[str] = ()) -> list[Findin
         may_find = MAY_FIND.get(kind)
         if may_find is not None and kind not in keep and not may_find(window):
             continue
-        findings.extend(analyze(window))
+        findings.extend(analyze(window, **(held or {}).get(kind, {})))
     return chain.assemble(findings)

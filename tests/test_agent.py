@@ -408,3 +408,37 @@ def test_a_trend_finding_stays_open_until_a_whole_window_passes_without_a_confir
     log.reconcile([_finding(900, 1000)], 1000, 100, held)
     _, _, resolved = log.reconcile([], 1010, 110, held)
     assert len(resolved) == 1
+
+
+def test_a_regression_longer_than_the_window_stays_one_finding_measured_against_the_calm_before_it():
+    # 10 calm minutes, then TPOT 2.5x for 40 minutes, then calm again; analyses every minute over a
+    # 15-minute window, as the agent runs them (every 10 s there). Measured against the window's first
+    # part alone, the regression vanished once the window held nothing calm (at 22 min, latency still
+    # 2.5x) and was never reported again.
+    import numpy as np
+
+    from gpudiag.analyzers.registry import HELD_FOR_A_WINDOW, held_arguments, run_streaming
+
+    rng = np.random.default_rng(4)
+    win, log = SlidingWindow(900.0), FindingLog()
+    opened, open_at, summaries = [], {}, {}
+    for t in range(1, 3601):
+        slow = 2.5 if 600 <= t < 3000 else 1.0
+        rows = [{"node": "n", "gpu": 0, "engine": "e", M.time_to_first_token_seconds: 0.05,
+                 M.inter_token_latency_seconds: float(rng.lognormal(np.log(0.04), 0.15)) * slow,
+                 M.e2e_request_latency_seconds: 5.0} for _ in range(5)]
+        win.add([Frame("request", float(t), rows)])
+        if t % 60:
+            continue
+        w = win.window("n")
+        found = run_streaming(w, {rec.key[0] for rec in log.open.values()},
+                              held_arguments(rec.finding for rec in log.open.values()))
+        o, _, _ = log.reconcile(found, w.end_s, w.start_s, HELD_FOR_A_WINDOW)
+        opened += [t for rec in o if rec.finding.kind == "latency_regression"]
+        open_at[t] = any(r.finding.kind == "latency_regression" for r in log.open.values())
+        summaries[t] = [f.summary for f in found if f.kind == "latency_regression"]
+    assert len(opened) == 1 and opened[0] <= 720, opened
+    assert all(open_at[t] for t in range(opened[0], 3000, 60)), "resolved while latency was still 2.5x"
+    assert not open_at[3600], "resolved after it"
+    # At the end of the 40 minutes, still against the calm P99 (about 56 ms), not against itself.
+    assert "vs 56" in summaries[2940][0].split("TPOT P99 ")[1][:25], summaries[2940]
