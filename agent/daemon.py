@@ -753,7 +753,8 @@ class Agent:
         win = self.window.window(self.node)
         open_now = list(self.findings.open.values())
         findings = run_streaming(win, {rec.key[0] for rec in open_now},
-                                 held_arguments(rec.finding for rec in open_now)) if win.tables else []
+                                 held_arguments((rec.finding for rec in open_now), self.window.window_s)) \
+            if win.tables else []
         opened, updated, resolved = self.findings.reconcile(findings, win.end_s, win.start_s, HELD_FOR_A_WINDOW)
         self.analysis_seconds = time.perf_counter() - started
         self.analyses += 1

@@ -147,7 +147,8 @@ def analyze(window: Window, baseline: dict[str, dict[str, float]] | None = None,
             if M.time_to_first_token_seconds in rows:
                 parts = _ttft_parts(window) if parts is None else parts
                 split = _ttft_split(parts.get(_k(key)), base_end, start, end, given)
-            findings.append(_finding(key, start, end, rows, split, bases))
+            findings.append(_finding(key, start, end, rows, split, bases,
+                                     None if given is not None else base_end - start_all))
     return findings
 
 
@@ -191,9 +192,11 @@ def _ttft_split(parts: dict | None, base_end: float, start: float, end: float,
     return out
 
 
-def _finding(key, start, end, rows, split=None, bases=None) -> Finding:
+def _finding(key, start, end, rows, split=None, bases=None, base_span_s=None) -> Finding:
     evidence, ratios, flat, words = [], [], True, []
     details: dict = {"metrics": sorted(rows)}
+    # How much time the baseline covers (None: one handed back, see analyze's ``baselines``).
+    details["baseline_span_s"] = base_span_s
     # What it was measured against, every latency's and TTFT's parts': handed back while it is open.
     details["baseline"] = {m: {"p50": b.get("p50"), "p99": b["p99"]} for m, b in (bases or {}).items()}
     if split is not None:

@@ -65,14 +65,19 @@ def run_all(window: Window) -> list[Finding]:
     return chain.assemble(findings)
 
 
-def held_arguments(open_findings: Iterable[Finding]) -> dict[str, dict]:
+def held_arguments(open_findings: Iterable[Finding], window_s: float) -> dict[str, dict]:
     """Per kind, what its analyzer is given while findings of it are open (for :func:`run_streaming`).
 
     latency_regression: the baseline each open regression was found against, per (node, gpu),
-    so a regression longer than the window's first part is not measured against itself.
+    so a regression longer than the window's first part is not measured against itself. Only
+    a baseline from a full ``window_s`` window is held: before the window fills, its first part
+    is the first minutes of what is watched (an engine warming up, conversations lengthening
+    their prompts), no calm to hold a regression against.
     """
+    full = 0.9 * latency_regression.BASELINE_SHARE * window_s  # a tick or two short of the window is full
     baselines = {(f.node, f.gpu): f.details["baseline"] for f in open_findings
-                 if f.kind == latency_regression.KIND and f.details.get("baseline")}
+                 if f.kind == latency_regression.KIND and f.details.get("baseline")
+                 and (f.details.get("baseline_span_s") is None or f.details["baseline_span_s"] >= full)}
     return {latency_regression.KIND: {"baselines": baselines}} if baselines else {}
 
 
