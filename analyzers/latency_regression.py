@@ -85,6 +85,11 @@ STRAGGLER_HINT = ("P99 up with P50 normal: a few requests are very slow. Check N
                   "replays, clocks and temperature (`gpudiag investigate`, hardware_errors and throttling).")
 # A regression is an effect; the fixes belong to the finding that caused it.
 FIX_NAMES: tuple[str, ...] = ()
+# An open regression's baseline is handed back (held_arguments) only when it covers the first
+# part of a full window, less a tenth for the tick or two a fresh window starts late: before the
+# window fills, its first part is the first minutes of what is watched (an engine warming up,
+# conversations lengthening their prompts), no calm to hold a regression against.
+HELD_BASELINE_SHARE = 0.9 * BASELINE_SHARE
 
 
 def analyze(window: Window, baseline: dict[str, dict[str, float]] | None = None,
@@ -150,6 +155,16 @@ def analyze(window: Window, baseline: dict[str, dict[str, float]] | None = None,
             findings.append(_finding(key, start, end, rows, split, bases,
                                      None if given is not None else base_end - start_all))
     return findings
+
+
+def held_arguments(open_findings: list[Finding], window_s: float) -> dict:
+    """What :func:`analyze` is given while regressions are open: per (node, gpu), the baseline each
+    was found against (a regression longer than the window's first part is not measured against
+    itself), when it came from a full ``window_s`` window (HELD_BASELINE_SHARE)."""
+    baselines = {(f.node, f.gpu): f.details["baseline"] for f in open_findings if f.details.get("baseline")
+                 and (f.details.get("baseline_span_s") is None
+                      or f.details["baseline_span_s"] >= HELD_BASELINE_SHARE * window_s)}
+    return {"baselines": baselines} if baselines else {}
 
 
 def _ttft_parts(window: Window) -> dict:

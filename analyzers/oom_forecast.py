@@ -133,10 +133,11 @@ def analyze(window: Window) -> list[Finding]:
                 kvs[gpu_key] = engine_kv(subset(eng, key))
             kv = kvs[gpu_key]
             at = engine_kv_of(p, label_int(key.get("pid")), t, held, kv)
-            if at is not None and kv.capacity is not None and max(kv.capacity - at[-1], 0.0) <= headroom:
+            room = max(kv.capacity - float(at[-1]), 0.0) if at is not None and kv.capacity is not None else None
+            if room is not None and room <= headroom:
                 # The engine's own KV pool: it stops at its capacity and evicts before the device runs out.
                 # What else grows is judged, with the room the pool may still take out of the headroom.
-                kv_room = max(kv.capacity - float(at[-1]), 0.0)
+                kv_room = room
                 held = held - at
                 slope = rising_slope(t, held)
                 if slope is None:

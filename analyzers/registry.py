@@ -42,8 +42,9 @@ ANALYZERS = {
 # Kinds whose streaming findings stay open until a whole window has passed without an analysis
 # confirming them (the agent's FindingLog): their analyzers judge trends that a window may fail
 # to confirm while they go on (the reason next to each).
-HELD_FOR_A_WINDOW = frozenset(kind for kind, held in ((memory_leak.KIND, memory_leak.HELD_FOR_A_WINDOW),
-                                                     (oom_forecast.KIND, oom_forecast.HELD_FOR_A_WINDOW)) if held)
+HELD_FOR_A_WINDOW = frozenset(m.KIND for m in (memory_leak, oom_forecast) if m.HELD_FOR_A_WINDOW)
+# What an analyzer is given back while findings of its kind are open (next to each, with the reason).
+HELD_ARGUMENTS = {latency_regression.KIND: latency_regression.held_arguments}
 
 # Cheap tests, next to each analyzer, that return False only when the analyzer is sure to find
 # nothing in a window (a condition every finding needs does not hold). The agent analyzes its
@@ -66,19 +67,14 @@ def run_all(window: Window) -> list[Finding]:
 
 
 def held_arguments(open_findings: Iterable[Finding], window_s: float) -> dict[str, dict]:
-    """Per kind, what its analyzer is given while findings of it are open (for :func:`run_streaming`).
-
-    latency_regression: the baseline each open regression was found against, per (node, gpu),
-    so a regression longer than the window's first part is not measured against itself. Only
-    a baseline from a full ``window_s`` window is held: before the window fills, its first part
-    is the first minutes of what is watched (an engine warming up, conversations lengthening
-    their prompts), no calm to hold a regression against.
-    """
-    full = 0.9 * latency_regression.BASELINE_SHARE * window_s  # a tick or two short of the window is full
-    baselines = {(f.node, f.gpu): f.details["baseline"] for f in open_findings
-                 if f.kind == latency_regression.KIND and f.details.get("baseline")
-                 and (f.details.get("baseline_span_s") is None or f.details["baseline_span_s"] >= full)}
-    return {latency_regression.KIND: {"baselines": baselines}} if baselines else {}
+    """Per kind, what its analyzer is given while findings of it are open (for :func:`run_streaming`):
+    each :data:`HELD_ARGUMENTS` function over the open findings of its kind."""
+    by_kind: dict[str, list[Finding]] = {}
+    for f in open_findings:
+        if f.kind in HELD_ARGUMENTS:
+            by_kind.setdefault(f.kind, []).append(f)
+    out = {kind: HELD_ARGUMENTS[kind](found, window_s) for kind, found in by_kind.items()}
+    return {kind: kwargs for kind, kwargs in out.items() if kwargs}
 
 
 def run_streaming(window: Window, open_kinds: Iterable[str] = (),

@@ -111,14 +111,12 @@ def by_context(requests: pd.DataFrame) -> dict[str, dict[str, Any]]:
 RECOVERY_RATIO = 1.5
 RECOVERY_WINDOW_S = 300.0
 RECOVERY_STEP_S = 60.0
-# A window's P99 is judged from this many requests at least (fewer: the slowest one or two).
-MIN_RECOVERY_REQUESTS = 50
 _RECOVERY_COLUMNS = (M.time_to_first_token_seconds, M.inter_token_latency_seconds)
 
 
 def window_p99s(requests: pd.DataFrame, start: float, end: float) -> list[tuple[float, list[float]]]:
     """(window start, [TTFT P99, TPOT P99]) of the RECOVERY_WINDOW_S windows inside [start, end), one
-    each RECOVERY_STEP_S, of MIN_RECOVERY_REQUESTS arrivals or more (requests by arrival time); [] without
+    each RECOVERY_STEP_S, of MIN_BUCKET_REQUESTS arrivals or more (requests by arrival time); [] without
     the columns."""
     if requests.empty or any(c not in requests for c in _RECOVERY_COLUMNS):
         return []
@@ -127,7 +125,7 @@ def window_p99s(requests: pd.DataFrame, start: float, end: float) -> list[tuple[
     out = []
     for a in np.arange(start, max(end - RECOVERY_WINDOW_S, start) + 1e-9, RECOVERY_STEP_S):
         sel = (arrival >= a) & (arrival < min(a + RECOVERY_WINDOW_S, end))
-        if np.count_nonzero(sel) >= MIN_RECOVERY_REQUESTS:
+        if np.count_nonzero(sel) >= MIN_BUCKET_REQUESTS:
             out.append((float(a), [float(np.percentile(v[sel], 99)) for v in values]))
     return out
 
@@ -163,7 +161,7 @@ def phase_stats(res: RunResult) -> list[dict[str, Any]]:
     gpu, eng, proc, req = w.table("gpu"), w.table("engine"), w.table("process"), w.table("request")
     out: list[dict[str, Any]] = []
     prev_eng = None
-    calm: list[tuple[float, list[float]]] = []  # the first phase's windows, what later ones recover to
+    calm: list[tuple[float, list[float]]] | None = None  # the first phase's windows, what later ones recover to
     for name, start, end in res.scenario.phases:
         g = gpu[(gpu["t"] > start) & (gpu["t"] <= end)]
         e = eng[(eng["t"] > start) & (eng["t"] <= end)]
@@ -177,6 +175,7 @@ def phase_stats(res: RunResult) -> list[dict[str, Any]]:
         slope = float(np.polyfit(tt, reserved, 1)[0]) if reserved.size > 2 else 0.0
         cpu = pr[M.process_cpu_utilization_ratio].to_numpy(float) if not pr.empty else np.array([])
         arrived = _delta(e_span, M.engine_requests_arrived_total)
+        windows = window_p99s(r, start, end)
         out.append({
             "name": name, "start_s": start, "end_s": end,
             "slo": slo(r),
@@ -194,12 +193,12 @@ def phase_stats(res: RunResult) -> list[dict[str, Any]]:
             "host_cpu_mean": float(cpu.mean()) if cpu.size else None,
             "host_cpu_max": float(cpu.max()) if cpu.size else None,
             "requests": int(len(r)),
-            "recovered_after_s": recovered_after_s(window_p99s(r, start, end), start, end, calm) if out else None,
+            "recovered_after_s": recovered_after_s(windows, start, end, calm) if calm is not None else None,
         })
         if not e.empty:
             prev_eng = e.iloc[[-1]]
-        if len(out) == 1:
-            calm = window_p99s(r, start, end)
+        if calm is None:
+            calm = windows
     return out
 
 

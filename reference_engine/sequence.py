@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from gpudiag.catalog import M
+
 # Priority tiers, highest first (SCENARIOS.md §1 fix 2): paying/VIP traffic,
 # replayable/internal traffic, offline batch.
 TIERS = ("vip", "internal", "batch")
@@ -65,9 +67,9 @@ class Sequence:
         e2e = self.finish_s - self.arrival_s
         tpot = (self.finish_s - self.first_token_s) / (self.generated - 1) if self.generated > 1 else 0.0
         return {
-            "time_to_first_token_seconds": ttft,
-            "inter_token_latency_seconds": tpot,
-            "e2e_request_latency_seconds": e2e,
-            "request_queue_time_seconds": self.first_scheduled_s - self.arrival_s,
-            "request_prefill_time_seconds": self.first_token_s - self.first_scheduled_s,
+            M.time_to_first_token_seconds: ttft,
+            M.inter_token_latency_seconds: tpot,
+            M.e2e_request_latency_seconds: e2e,
+            M.request_queue_time_seconds: self.first_scheduled_s - self.arrival_s,
+            M.request_prefill_time_seconds: self.first_token_s - self.first_scheduled_s,
         }

@@ -148,11 +148,11 @@ def result_of(seq) -> dict:
     return {"id": seq.seq_id, "text": ByteTokenizer().decode(seq.output_ids), "tokens": seq.output_ids,
             "finish_reason": seq.finish_reason, "prompt_tokens": seq.prompt_tokens,
             "output_tokens": seq.generated, "preemptions": seq.preemptions,
-            "timings": {"queue_s": timings.get("request_queue_time_seconds"),
-                        "prefill_s": timings.get("request_prefill_time_seconds"),
-                        "ttft_s": timings.get("time_to_first_token_seconds"),
-                        "tpot_s": timings.get("inter_token_latency_seconds"),
-                        "e2e_s": timings.get("e2e_request_latency_seconds")}}
+            "timings": {"queue_s": timings.get(M.request_queue_time_seconds),
+                        "prefill_s": timings.get(M.request_prefill_time_seconds),
+                        "ttft_s": timings.get(M.time_to_first_token_seconds),
+                        "tpot_s": timings.get(M.inter_token_latency_seconds),
+                        "e2e_s": timings.get(M.e2e_request_latency_seconds)}}
 
 
 class _HTTPServer(ThreadingHTTPServer):
