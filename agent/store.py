@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import itertools
 import json
 import logging
 import math
@@ -698,11 +699,24 @@ def _json_text(v) -> str | None:
     return json.dumps(v, separators=(",", ":"), sort_keys=True, default=str)
 
 
+def _shares_dicts(a: np.ndarray) -> bool:
+    """Whether an object column holds dicts, most rows one of a few objects (the tracker's shared
+    ``missing_reasons``): then a fresh block writes each object's JSON once, with a code per row."""
+    values = a.tolist()
+    first = next((v for v in values if v is not None), None)
+    return type(first) is dict and len(set(map(id, values))) * 2 <= len(values)
+
+
 def _encode_column(a, *, sealed: bool, parts_of: dict | None = None) -> tuple[dict, list[bytes]]:
     """(meta, payload parts) of one column; meta["sizes"] lists the parts it owns directly."""
     if not sealed and isinstance(a, np.ndarray) and a.dtype.kind in "biuf":
         return {"codec": "raw", "dtype": a.dtype.str, "sizes": [a.nbytes]}, [a.tobytes()]
     if not sealed and isinstance(a, np.ndarray) and a.dtype == object:
+        if _shares_dicts(a):
+            codes, texts = _json_codes(a)
+            codes = _narrow(codes)
+            parts = [_shuffle(codes)]
+            return {"codec": "json", "values": texts, "width": codes.dtype.itemsize, "sizes": [len(parts[0])]}, parts
         text = json.dumps(a.tolist(), separators=(",", ":"), default=str).encode()
         return {"codec": "jsonlist", "sizes": [len(text)]}, [text]
     if isinstance(a, _DictColumn):
@@ -1117,11 +1131,12 @@ def _at_resolution(name: str, a):
     return a
 
 
-def encode_block(columns: dict, n: int, *, sealed: bool = True) -> bytes:
+def encode_block(columns: dict, n: int, *, sealed: bool = True, twin: dict | None = None) -> bytes:
     """Encode ``n`` rows given as columns (numpy arrays, or flattened dict columns) into one block.
 
     ``sealed=False`` writes a fresh block: cheap codecs, the fastest compression level, rows in
-    their appended order. Per-request latencies are rounded to the microsecond.
+    their appended order. Per-request latencies are rounded to the microsecond. ``twin`` (fresh
+    blocks only) is filled with what decoding the block gives back (see :func:`encode_fresh`).
     """
     columns = {k: _at_resolution(k, v) for k, v in columns.items()}
     if sealed:
@@ -1141,12 +1156,37 @@ def encode_block(columns: dict, n: int, *, sealed: bool = True) -> bytes:
         if sealed and name in SUM_OF_PARTS and all(p in columns for p in SUM_OF_PARTS[name]):
             parts_of = {p: columns[p] if order is None else columns[p][order] for p in SUM_OF_PARTS[name]}
         meta, parts = _encode_column(a, sealed=sealed, parts_of=parts_of)
+        if twin is not None and not sealed:
+            twin[name] = _twin_of(a, meta, parts)
         frames.append(_compress_parts(parts, n, level, sealed))
         meta["name"] = name
         meta["z"] = len(frames[-1])
         header["columns"].append(meta)
     head = _compressed_json(header, level)
     return _BLOCK_MAGIC + struct.pack("<I", len(head)) + head + b"".join(frames)
+
+
+def encode_fresh(columns: dict, n: int) -> tuple[bytes, dict]:
+    """A fresh block of ``n`` rows and its twin: the columns decoding it (raw, dicts flattened) gives back.
+
+    A seal merges an interval's fresh blocks; with the twins kept from the flush that wrote
+    them it reads none back. Numbers and strings come back as they went in; anything else
+    (dicts, lists, mixed) is read back from the very JSON text the block holds, so the twin
+    equals the decoded block value for value and a seal from either is the same block.
+    """
+    twin: dict = {}
+    return encode_block(columns, n, sealed=False, twin=twin), twin
+
+
+def _twin_of(a, meta: dict, parts: list[bytes]):
+    """What decoding a fresh column of ``meta`` and ``parts`` gives back (raw, flattened), from ``a``."""
+    codec = meta["codec"]
+    if codec == "jsonlist" and any(v is not None and type(v) is not str for v in a.tolist()):
+        a = _objects(json.loads(parts[0]))
+    elif codec == "json":
+        values = _objects([json.loads(v) for v in meta["values"]] + [None])
+        a = values[_codes(parts[0], meta["width"], len(a), len(meta["values"]))]
+    return _flat_dicts(a)
 
 
 def decode_block(block: bytes, *, raw: bool = False) -> tuple[int, dict]:
@@ -1930,8 +1970,22 @@ def _flat_dicts(a):
     return a
 
 
+_NUMBER_OR_NONE = frozenset((int, float, type(None)))
+
+
 def _array(values: list) -> np.ndarray:
     """A column as numpy: int64, float64 (None as NaN), bool or object (strings, dicts, mixed)."""
+    # The Python types present decide the common columns at C speed: all floats, all ints, all
+    # strings, numbers with gaps (a process without the torch columns; numpy reads None as NaN).
+    types = set(map(type, values))
+    if len(types) == 1:
+        (only,) = types
+        if only is float:
+            return np.array(values, dtype=np.float64)
+        if only is str:
+            return _objects(values)
+    elif type(None) in types and types <= _NUMBER_OR_NONE:
+        return np.array(values, dtype=np.float64)
     try:
         a = np.array(values)
     except (ValueError, OverflowError, TypeError):
@@ -1987,27 +2041,18 @@ def _columns_from_frames(frames: list[Frame]) -> tuple[int, dict]:
         rows.extend(fr.rows)
         ts.extend([fr.t] * len(fr.rows))
     n = len(rows)
-    # Rows of one probe share their keys: transpose each group of same-keyed rows in C
-    # (itemgetter + zip) instead of looking every value up column by column.
-    groups: dict[tuple, list[int]] = {}
-    for i, r in enumerate(rows):
-        groups.setdefault(tuple(r), []).append(i)
+    # Rows of one probe usually share their keys: then transpose them in C (itemgetter + zip)
+    # instead of looking every value up column by column.
+    shapes = dict.fromkeys(map(tuple, rows))
     names: dict[str, None] = {"t": None}
-    for keys in groups:
+    for keys in shapes:
         names.update(dict.fromkeys(keys))
-    if len(groups) == 1:
-        (keys,) = groups
+    if len(shapes) == 1:
+        (keys,) = shapes
         values = _transpose(rows, keys)
-    else:
-        values = {}
-        for keys, idx in groups.items():
-            sub = _transpose([rows[i] for i in idx], keys)
-            for k, vals in sub.items():
-                col = values.get(k)
-                if col is None:
-                    col = values[k] = np.full(n, None, dtype=object)
-                col[idx] = _objects(vals)
-        values = {k: v.tolist() for k, v in values.items()}
+    else:  # rows of several shapes (processes with and without torch columns): None where a row lacks a key
+        values = {k: list(map(dict.get, rows, itertools.repeat(k, n))) for k in names
+                  if k != "t" or any("t" in keys for keys in shapes)}
     if "t" in values:  # a row's own t
         own = values.pop("t")
         ts = [fr_t if v is None else v for fr_t, v in zip(ts, own)]
@@ -2094,6 +2139,7 @@ class _Chunk:
     node: str | None
     n_rows: int
     block: bytes
+    twin: dict | None = None  # encode_fresh's twin, until the chunk is committed (or its flush fails)
 
 
 # --- schema and migrations ----------------------------------------------------------------
@@ -2219,6 +2265,9 @@ class Store:
         self._unencoded_rows = 0
         self._backlog: deque[_Chunk] = deque()
         self._backlog_bytes = 0
+        # Per kind, the twins (encode_fresh) of the fresh chunks this writer committed, by rowid:
+        # (t_end, rows, columns). A seal takes them instead of decoding the chunks it merges.
+        self._twins: dict[str, dict[int, tuple[float, int, dict]]] = {}
         self._pending_findings: dict[str, dict] = {}
         self._errors: dict[str, int] = {}
         self._logged: set[str] = set()
@@ -2477,8 +2526,8 @@ class Store:
         for kind, frames in by_kind.items():
             n, columns = _columns_from_frames(frames)
             ts = columns["t"]
-            chunk = _Chunk(kind, float(ts.min()), float(ts.max()), _uniform_node(columns), n,
-                           encode_block(columns, n, sealed=False))
+            block, twin = encode_fresh(columns, n)
+            chunk = _Chunk(kind, float(ts.min()), float(ts.max()), _uniform_node(columns), n, block, twin)
             self._backlog.append(chunk)
             self._backlog_bytes += len(chunk.block)
         while self._backlog_bytes > self.max_pending_bytes and self._backlog:
@@ -2513,11 +2562,13 @@ class Store:
             conn = self._conn
             chunks = list(self._backlog)
             findings = list(self._pending_findings.values())
+            rowids = []
             try:
                 conn.execute("BEGIN IMMEDIATE")
                 for c in chunks:
-                    conn.execute(f"INSERT INTO {_table(c.kind)} (t_start, t_end, node, n_rows, sealed, data)"
-                                 " VALUES (?, ?, ?, ?, 0, ?)", (c.t_start, c.t_end, c.node, c.n_rows, c.block))
+                    rowids.append(conn.execute(
+                        f"INSERT INTO {_table(c.kind)} (t_start, t_end, node, n_rows, sealed, data)"
+                        " VALUES (?, ?, ?, ?, 0, ?)", (c.t_start, c.t_end, c.node, c.n_rows, c.block)).lastrowid)
                 for d in findings:
                     conn.execute(
                         "INSERT INTO findings (id, kind, severity, start_s, end_s, json, node, gpu)"
@@ -2531,9 +2582,15 @@ class Store:
             except sqlite3.Error as exc:
                 self._rollback()
                 self._failed(_error_kind(exc), exc, "cannot write frames")
+                for c in chunks:  # a backlog that waits out an outage is bounded by its blocks' bytes alone
+                    c.twin = None
                 return 0
             self._backlog.clear()
             self._backlog_bytes = 0
+            for c, rowid in zip(chunks, rowids):
+                if c.twin is not None:
+                    self._twins.setdefault(c.kind, {})[rowid] = (c.t_end, c.n_rows, c.twin)
+                    c.twin = None
             for c in chunks:
                 old, new = self._oldest_fresh.get(c.kind), self._newest.get(c.kind)
                 self._oldest_fresh[c.kind] = c.t_start if old is None else min(old, c.t_start)
@@ -2581,20 +2638,24 @@ class Store:
             if not final and math.floor(oldest / self.chunk_s) >= math.floor(newest / self.chunk_s):
                 continue  # the oldest fresh chunk's interval is still open
             boundary = math.inf if final else math.floor(newest / self.chunk_s) * self.chunk_s
-            fresh = conn.execute(f"SELECT rowid, t_start, data FROM {t} WHERE sealed = 0 AND t_end < ?"
+            fresh = conn.execute(f"SELECT rowid, t_start FROM {t} WHERE sealed = 0 AND t_end < ?"
                                  " ORDER BY t_start, rowid", (boundary,)).fetchall()
-            groups: dict[float, list[tuple[int, bytes]]] = {}
-            for rowid, t_start, data in fresh:
-                groups.setdefault(math.floor(t_start / self.chunk_s), []).append((rowid, data))
+            twins = self._twins.get(kind, {})
+            listed = {rowid for rowid, _ in fresh}
+            for rowid in [r for r, (t_end, _, _) in twins.items() if t_end < boundary and r not in listed]:
+                del twins[rowid]  # its chunk is gone (retention): never to be sealed
+            groups: dict[float, list[int]] = {}
+            for rowid, t_start in fresh:
+                groups.setdefault(math.floor(t_start / self.chunk_s), []).append(rowid)
             for _, members in sorted(groups.items()):
                 if seals >= MAX_SEALS_PER_FLUSH and not final:
                     break
-                n, columns = _concat_columns([_flattened(decode_block(data, raw=True)) for _, data in members])
+                n, columns = _concat_columns(self._fresh_columns(t, twins, members))
                 ts = columns["t"]
                 block = encode_block(columns, n, sealed=True)
                 conn.execute("BEGIN IMMEDIATE")
                 try:
-                    conn.executemany(f"DELETE FROM {t} WHERE rowid = ?", [(rowid,) for rowid, _ in members])
+                    conn.executemany(f"DELETE FROM {t} WHERE rowid = ?", [(rowid,) for rowid in members])
                     conn.execute(f"INSERT INTO {t} (t_start, t_end, node, n_rows, sealed, data)"
                                  " VALUES (?, ?, ?, ?, 1, ?)",
                                  (float(ts.min()), float(ts.max()), _uniform_node(columns), n, block))
@@ -2606,6 +2667,20 @@ class Store:
             self._oldest_fresh[kind] = conn.execute(f"SELECT min(t_start) FROM {t} WHERE sealed = 0").fetchone()[0]
             if seals >= MAX_SEALS_PER_FLUSH and not final:
                 return
+
+    def _fresh_columns(self, table: str, twins: dict, rowids: list[int]) -> list[tuple[int, dict]]:
+        """The raw, flattened columns of fresh chunks: their twins where kept (taken), else decoded."""
+        missing = [r for r in rowids if r not in twins]
+        data: dict[int, bytes] = {}
+        for i in range(0, len(missing), 500):  # SQLite's bound-parameter limit
+            part = missing[i:i + 500]
+            data.update(self._conn.execute(f"SELECT rowid, data FROM {table} WHERE rowid IN"
+                                           f" ({','.join('?' * len(part))})", part).fetchall())
+        out = []
+        for r in rowids:
+            kept = twins.pop(r, None)
+            out.append((kept[1], kept[2]) if kept is not None else _flattened(decode_block(data[r], raw=True)))
+        return out
 
     def enforce_retention(self, now_s: float | None = None) -> int:
         """Delete chunks older than ``retention_s`` (before ``now_s``, default the newest frame),

@@ -115,9 +115,10 @@ def slope_per_hour(samples: list[tuple[float, float]]) -> float:
     return sum((t - tm) * (y - ym) for t, y in zip(ts, ys)) / sxx * 3600 if sxx else 0.0
 
 
-def prefill(agent: Agent, gpus: int, processes_per_gpu: int, window_s: float, interval_s: float) -> None:
+def prefill(agent: Agent, gpus: int, processes_per_gpu: int, window_s: float, interval_s: float,
+            **load) -> None:
     """Fill the window as if the agent had run that long (back-dated seconds), converting as it would."""
-    filler = SyntheticNode(gpus=gpus, processes_per_gpu=processes_per_gpu, seed=2)
+    filler = SyntheticNode(gpus=gpus, processes_per_gpu=processes_per_gpu, seed=2, **load)
     now = time.time()
     for i in range(int(window_s)):
         agent.window.add([Frame(f.kind, now - window_s + i, f.rows) for f in filler.frames()])
@@ -155,18 +156,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--minutes", type=float, default=3.0, help="measured run (after a 30 s warm-up)")
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--processes-per-gpu", type=int, default=16)
+    ap.add_argument("--requests-per-s", type=float, default=80.0)
+    ap.add_argument("--engine-interval-s", type=int, default=1)
     ap.add_argument("--trace-rss", action="store_true", help="print the RSS every five minutes")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
 
     with tempfile.TemporaryDirectory() as tmp:
-        node = SyntheticNode(gpus=args.gpus, processes_per_gpu=args.processes_per_gpu)
+        load = {"requests_per_s": args.requests_per_s, "engine_interval_s": args.engine_interval_s}
+        node = SyntheticNode(gpus=args.gpus, processes_per_gpu=args.processes_per_gpu, **load)
         probe = SyntheticNodeProbe(node)
         cfg = AgentConfig().with_overrides({"store.path": os.path.join(tmp, "timeline.db"),
                                             "exporter.listen": "127.0.0.1:0"})
         agent = Agent(cfg, probes=[("synthetic", probe, 1.0)], node=node.node)
         window_s = cfg.get("analyzers.window_s")
-        prefill(agent, args.gpus, args.processes_per_gpu, window_s, cfg.get("analyzers.interval_s"))
+        prefill(agent, args.gpus, args.processes_per_gpu, window_s, cfg.get("analyzers.interval_s"), **load)
         gc.collect()
         agent.start()
         url = agent.server.url

@@ -40,9 +40,11 @@ class SyntheticNode:
     """Frames of a node of ``gpus`` GPUs with ``processes_per_gpu`` processes each, one tick a second."""
 
     def __init__(self, gpus: int = 8, processes_per_gpu: int = 16, torch_processes: int = 1,
-                 requests_per_s: float = 80.0, node: str = "node-a", t0: float = 1_767_225_600.0, seed: int = 0):
+                 requests_per_s: float = 80.0, node: str = "node-a", t0: float = 1_767_225_600.0, seed: int = 0,
+                 engine_interval_s: int = 1):
         self.rng = random.Random(seed)
         self.node, self.t0, self.requests_per_s = node, t0, requests_per_s
+        self.engine_interval_s = engine_interval_s
         self.tick = 0
         self.gpus = []
         for g in range(gpus):
@@ -217,8 +219,10 @@ class SyntheticNode:
                     M.node_memory_used_bytes: 400 * GIB + rng.randrange(0, GIB, 4096),
                     M.node_memory_total_bytes: 2048 * GIB,
                     M.node_swap_used_bytes: 0}
-        frames = [Frame("gpu", t, gpu_rows), Frame("process", t, proc_rows), Frame("engine", t, engine_rows),
-                  Frame("node", t, [node_row]), Frame("cuda_api", t, api_rows)]
+        frames = [Frame("gpu", t, gpu_rows), Frame("process", t, proc_rows), Frame("node", t, [node_row]),
+                  Frame("cuda_api", t, api_rows)]
+        if (self.tick - 1) % self.engine_interval_s == 0:
+            frames.insert(2, Frame("engine", t, engine_rows))
         if request_rows:
             frames.append(Frame("request", t, request_rows))
         return frames

@@ -154,6 +154,84 @@ def test_a_seal_keeps_every_value_and_type_of_fresh_chunks_that_differ_in_their_
         [(type(r["reasons"]["x"]), math.copysign(1, r["reasons"]["x"])) for r in want if "x" in r["reasons"]]
 
 
+class _NoTwins(dict):
+    """A store's twins that are never kept: every seal decodes the fresh chunks it merges."""
+
+    def setdefault(self, key, default=None):
+        return {}
+
+
+def _varied_frames(tick: int) -> list[Frame]:
+    shared = {M.process_torch_allocated_bytes: "no in-process reporter", "b": "grey layer missing"}
+    rows = []
+    for j in range(6):
+        rows.append({
+            "node": "node-a", "gpu": j % 2, "pid": 100 + j, "process": ["python3", "vllm", "1"][j % 3],
+            "missing_reasons": shared if j % 3 else {"a": f"{tick} of 3 samples"},
+            M.process_context_switches_total: {"voluntary": tick * j, "involuntary": j},
+            "odd": [None, (1, 2), {1: "int key"}, np.int64(7), float("nan"), "x", True, 2**70][(tick + j) % 8],
+            "labels": {"nested": {"a": 1.5, "b": 2}} if j else None,
+            "by_xid": {79: tick, 48: 0},  # numbers under int keys: JSON makes the keys strings
+            "np_leaf": {"a": np.int64(tick)},  # a numpy integer: JSON (default=str) makes it a string
+            M.process_torch_allocated_bytes: None if j % 2 else 2**40 + tick,
+            M.process_cpu_utilization_ratio: (tick * 7 + j) % 100 / 100,
+        })
+    requests = [{"node": "node-a", "gpu": 0, "request_id": f"req-{tick}-{k}",
+                 M.time_to_first_token_seconds: 0.1234567891 + tick / 1e7 + k,
+                 M.e2e_request_latency_seconds: 1.000000049 * (k + 1)} for k in range(tick % 3)]
+    frames = [Frame("process", T0 + tick, rows)]
+    if requests:
+        frames.append(Frame("request", T0 + tick + 0.5, requests))
+    return frames
+
+
+def test_a_seal_from_the_flushes_kept_columns_writes_the_very_blocks_a_seal_from_the_stored_chunks_does(tmp_path):
+    # A seal takes each fresh chunk's twin (what decoding it gives back) from the flush that wrote it
+    # instead of reading the chunk back: the sealed blocks must not differ by a byte, whatever the values.
+    def sealed_blocks(path: str, keep: bool) -> dict:
+        with Store.open(path, chunk_s=30) as store:
+            if not keep:
+                store._twins = _NoTwins()
+            for tick in range(75):
+                store.append(_varied_frames(tick))
+                store.flush()
+            kept = {k: len(v) for k, v in store._twins.items()}
+        conn = sqlite3.connect(path)
+        out = {t: conn.execute(f"SELECT t_start, data FROM {t} WHERE sealed = 1 ORDER BY t_start").fetchall()
+               for t in ("frames_process", "frames_request")}
+        conn.close()
+        return out, kept
+
+    with_twins, kept = sealed_blocks(str(tmp_path / "a.db"), keep=True)
+    decoded, _ = sealed_blocks(str(tmp_path / "b.db"), keep=False)
+    assert [len(v) for v in with_twins.values()] == [3, 3]  # two whole intervals, then the last one at close
+    assert with_twins == decoded
+    # Before the close, only the open interval's chunks still had twins: the sealed ones' went with them.
+    assert kept == {"process": 15, "request": 10}
+
+
+def test_a_flush_that_fails_keeps_no_twins_and_its_chunks_are_sealed_from_the_store(tmp_path):
+    path = str(tmp_path / "node.db")
+    with Store.open(path, chunk_s=30) as store:
+        for tick in range(10):
+            store.append(_varied_frames(tick))
+            store.flush()
+        os.chmod(path, 0o444)
+        conn = store._conn
+        store._conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)  # the disk turned read-only
+        for tick in range(10, 20):
+            store.append(_varied_frames(tick))
+            assert store.flush() == 0
+        assert all(c.twin is None for c in store._backlog)
+        store._conn.close()
+        store._conn = conn
+        os.chmod(path, 0o644)
+        for tick in range(20, 40):
+            store.append(_varied_frames(tick))
+            store.flush()
+        assert store.window(T0, T0 + 29.9).table("process")["pid"].tolist() == [100 + j for j in range(6)] * 30
+
+
 def test_a_fresh_chunk_decodes_equal_dicts_of_strings_as_one_object():
     from gpudiag.agent.store import _columns_from_frames
 
