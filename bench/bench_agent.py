@@ -33,7 +33,14 @@ CPU time is the process's (``os.times``) and each thread's (``psutil``); wall
 times on a shared machine include time spent waiting for a core, CPU times do
 not. Run it pinned to one core: ``taskset -c 1``.
 
+The default load is the reference engine's under ``--sim``: engine rows every second and a
+row per finished request. A node serving with vLLM gives the agent less: the engine scrape
+runs every 5 s and a Prometheus page has no per-request rows. That load is
+``--requests-per-s 0 --engine-interval-s 5``. A run should cover a seal (5 minutes): shorter
+ones show the flush's work without the seal it saves.
+
     .venv/bin/python bench/bench_agent.py [--minutes 3] [--gpus 8] [--processes-per-gpu 16] [--trace-rss]
+        [--requests-per-s 80] [--engine-interval-s 1]
 """
 
 from __future__ import annotations
@@ -156,10 +163,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--minutes", type=float, default=3.0, help="measured run (after a 30 s warm-up)")
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--processes-per-gpu", type=int, default=16)
-    ap.add_argument("--requests-per-s", type=float, default=80.0)
-    ap.add_argument("--engine-interval-s", type=int, default=1)
+    ap.add_argument("--requests-per-s", type=float, default=80.0,
+                    help="finished requests a second, a row each (0: an engine scraped over Prometheus)")
+    ap.add_argument("--engine-interval-s", type=int, default=1, help="seconds between engine rows (scrape: 5)")
     ap.add_argument("--trace-rss", action="store_true", help="print the RSS every five minutes")
     args = ap.parse_args(argv)
+    if args.engine_interval_s < 1 or args.requests_per_s < 0:
+        ap.error("--engine-interval-s must be at least 1 and --requests-per-s at least 0")
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
 
     with tempfile.TemporaryDirectory() as tmp:
