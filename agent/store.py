@@ -1179,13 +1179,11 @@ def encode_fresh(columns: dict, n: int) -> tuple[bytes, dict]:
 
 
 def _twin_of(a, meta: dict, parts: list[bytes]):
-    """What decoding a fresh column of ``meta`` and ``parts`` gives back (raw, flattened), from ``a``."""
-    codec = meta["codec"]
-    if codec == "jsonlist" and any(v is not None and type(v) is not str for v in a.tolist()):
-        a = _objects(json.loads(parts[0]))
-    elif codec == "json":
-        values = _objects([json.loads(v) for v in meta["values"]] + [None])
-        a = values[_codes(parts[0], meta["width"], len(a), len(meta["values"]))]
+    """What decoding a fresh column of ``meta`` and ``parts`` gives back (raw, flattened): ``a`` itself
+    where that is the same (numbers, strings), else the decoder's reading of the parts."""
+    if meta["codec"] == "json" or (meta["codec"] == "jsonlist" and any(
+            v is not None and type(v) is not str for v in a.tolist())):
+        a = _decode_column(meta, _Cursor(b"".join(parts), 0), len(a))
     return _flat_dicts(a)
 
 

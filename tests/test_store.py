@@ -185,6 +185,12 @@ def _varied_frames(tick: int) -> list[Frame]:
     return frames
 
 
+def _write_varied(store: Store, ticks: range) -> None:
+    for tick in ticks:
+        store.append(_varied_frames(tick))
+        store.flush()
+
+
 def test_a_seal_from_the_flushes_kept_columns_writes_the_very_blocks_a_seal_from_the_stored_chunks_does(tmp_path):
     # A seal takes each fresh chunk's twin (what decoding it gives back) from the flush that wrote it
     # instead of reading the chunk back: the sealed blocks must not differ by a byte, whatever the values.
@@ -192,9 +198,7 @@ def test_a_seal_from_the_flushes_kept_columns_writes_the_very_blocks_a_seal_from
         with Store.open(path, chunk_s=30) as store:
             if not keep:
                 store._twins = _NoTwins()
-            for tick in range(75):
-                store.append(_varied_frames(tick))
-                store.flush()
+            _write_varied(store, range(75))
             kept = {k: len(v) for k, v in store._twins.items()}
         conn = sqlite3.connect(path)
         out = {t: conn.execute(f"SELECT t_start, data FROM {t} WHERE sealed = 1 ORDER BY t_start").fetchall()
@@ -213,9 +217,7 @@ def test_a_seal_from_the_flushes_kept_columns_writes_the_very_blocks_a_seal_from
 def test_a_flush_that_fails_keeps_no_twins_and_its_chunks_are_sealed_from_the_store(tmp_path):
     path = str(tmp_path / "node.db")
     with Store.open(path, chunk_s=30) as store:
-        for tick in range(10):
-            store.append(_varied_frames(tick))
-            store.flush()
+        _write_varied(store, range(10))
         os.chmod(path, 0o444)
         conn = store._conn
         store._conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)  # the disk turned read-only
@@ -226,9 +228,7 @@ def test_a_flush_that_fails_keeps_no_twins_and_its_chunks_are_sealed_from_the_st
         store._conn.close()
         store._conn = conn
         os.chmod(path, 0o644)
-        for tick in range(20, 40):
-            store.append(_varied_frames(tick))
-            store.flush()
+        _write_varied(store, range(20, 40))
         assert store.window(T0, T0 + 29.9).table("process")["pid"].tolist() == [100 + j for j in range(6)] * 30
 
 
