@@ -405,3 +405,28 @@ def test_a_group_copy_reaches_the_last_piece_of_every_slice_whatever_order_the_g
     else:
         assert len(layout.scattered) == 2 and len(layout.strided) == 11
         assert layout.blocks > -(-table.n // 1000)
+
+
+@pytest.mark.parametrize("tick_order", ["sorted", "reversed"])
+def test_a_matrix_of_every_entity_each_tick_is_transposed_block_by_block_into_its_groups(monkeypatch, tick_order):
+    # Nine entities, each once a tick for 1000 ticks: one (1000 x 9) matrix. Rows of a tick in the
+    # groups' own order are transposed as they are; in reverse order they are picked first. 50
+    # values a block: 5 ticks, so 200 blocks, the last one full; 1000 ticks of 9 end mid-block too.
+    monkeypatch.setattr(_GroupLayout, "TRANSPOSE_VALUES", 50)
+    rng = np.random.default_rng(11)
+    order = list(range(9)) if tick_order == "sorted" else list(range(8, -1, -1))
+    for ticks in (1000, 1003):
+        gpus, pids, vs = [], [], []
+        for _ in range(ticks):
+            for e in order:
+                gpus.append(e // 3), pids.append(e), vs.append(float(rng.random()))
+        table = Table(len(vs), {"t": np.repeat(np.arange(float(ticks)), 9), "gpu": np.array(gpus),
+                                "pid": np.array(pids), "v": np.array(vs)})
+        plain = Table(table.n, dict(table.columns))
+        entities = table.entity_rows(("gpu", "pid"))
+        got, starts = table.entity_column(("gpu", "pid"), "v")
+        for g, ((key, rows), part) in enumerate(zip(entities, plain.groups(("gpu", "pid"))[1])):
+            assert np.array_equal(got[starts[g]:starts[g + 1]], table.columns["v"][part]), key
+            assert np.array_equal(rows["v"].to_numpy(), table.columns["v"][part]), key
+        layout = entities[0][1]._layout[0]
+        assert [len(picks) for *_, picks in layout.matrices] == [9]
