@@ -202,6 +202,11 @@ def _last_named(procs: list[_Process], names: set[str]) -> tuple[float, int]:
     when its last sample is later than the best found that way. (-inf, -1) when none did.
     """
     best, unsure = (-np.inf, -1), []
+    table = procs[0].rows.table if procs and isinstance(procs[0].rows, Rows) else None
+    if table is not None and "process" in table.columns:
+        # Every name the table's process column holds: none of the engine's, no process had it.
+        if not any(str(u) in names for u in table.codes("process")[1]):
+            return best
     for q in procs:
         if "process" not in q.rows:
             continue
@@ -213,11 +218,6 @@ def _last_named(procs: list[_Process], names: set[str]) -> tuple[float, int]:
             best = max(best, (last, q.pid))
         else:
             unsure.append((last, q))
-    if unsure and isinstance(unsure[0][1].rows, Rows):
-        # Every name the table's process column holds: none of the engine's, no process had it.
-        _, uniques = unsure[0][1].rows.table.codes("process")
-        if not any(str(u) in names for u in uniques):
-            return best
     for last, q in unsure:
         if last > best[0]:
             best = max(best, (q.last_where(_named(q, names)), q.pid))
