@@ -444,3 +444,22 @@ def test_a_regression_longer_than_the_window_stays_one_finding_measured_against_
     # At the end of the 30 minutes, still against the calm P99 (about 56 ms), not against itself.
     against = re.search(r"TPOT P99 [\d.]+ ms vs ([\d.]+) ms", summaries[2940][0])
     assert against and 45 <= float(against.group(1)) <= 65, summaries[2940]
+
+
+def test_the_agent_reports_the_cpu_it_burns_and_its_resident_memory(tmp_path):
+    cfg = AgentConfig().with_overrides({"store.path": str(tmp_path / "s.db")})
+    agent = Agent(cfg, probes=[], serve_metrics=False)
+    try:
+        agent.self_metric_rows()  # the first mark
+        start = os.times()
+        busy = 0
+        while os.times().user - start.user < 0.6:  # burn CPU in this thread, measured by the kernel
+            busy += 1
+        threading.Event().wait(0.6)  # then idle as long
+        rows = agent.self_metric_rows()
+    finally:
+        agent.stop()
+    ratio = next(r[M.agent_cpu_utilization_ratio] for r in rows if M.agent_cpu_utilization_ratio in r)
+    rss = next(r[M.agent_resident_memory_bytes] for r in rows if M.agent_resident_memory_bytes in r)
+    assert 0.05 < ratio < 0.95  # about half (0.6 s of CPU over ~1.2 s), less on a busy machine
+    assert rss > 10 * 1024**2
