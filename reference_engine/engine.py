@@ -328,8 +328,11 @@ class SimEngine:
         k = min(s.remaining for s in batch)
         next_second = math.floor(t) + 1.0
         k = min(k, max(1, math.ceil((next_second - t) / step)))
+        # The next arrival ends the run when it could be admitted: with nothing waiting blocked, or
+        # when it is worth trying itself (a short request behind a long one known not to fit).
         if (nxt := self._next_arrival_s()) < math.inf \
-                and len(self.sched.running) < self.cfg.scheduler.max_num_seqs and not self.sched.admission_blocked:
+                and len(self.sched.running) < self.cfg.scheduler.max_num_seqs \
+                and (not self.sched.admission_blocked or self._arrival_worth_trying()):
             gap = nxt - t
             k = min(k, max(1, math.ceil(gap / step)))
         elif self.sched.waiting and self.sched.can_admit():
@@ -354,6 +357,12 @@ class SimEngine:
             if s.remaining <= 0:
                 self._finish(s, t)
         return t
+
+    def _arrival_worth_trying(self) -> bool:
+        """Whether the next arrival could get KV memory now (no frontend: the arrival is known)."""
+        if self.frontend is not None or self._next_arrival >= len(self.requests):
+            return False
+        return self.sched._worth_trying(self.requests[self._next_arrival])
 
     def _record_gaps(self, batch: list[Sequence], t0: float, t1: float, k: int) -> None:
         """Inter-token gaps of a run of ``k`` decode steps: each sequence's first since its last token, then steps."""

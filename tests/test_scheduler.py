@@ -48,3 +48,23 @@ def test_allocation_attempts_that_fail_are_bounded_by_the_lookahead():
         sched.add(s)
     assert sched.schedule_prefill(3.0) == []
     assert sched.stats.alloc_failures == sched.cfg.admission_lookahead + 1
+
+
+def test_a_short_arrival_ends_a_decode_run_even_while_a_request_that_cannot_fit_waits():
+    # A run of decode steps ends at the next arrival that could be admitted. A request known
+    # not to fit at the head of the queue must not make the engine ignore arrivals until the
+    # next second: the short one behind it is admitted at its arrival, not up to a second later.
+    from gpudiag.reference_engine import scenarios
+    from gpudiag.reference_engine.engine import SimEngine
+
+    cfg, wl = scenarios.get("kv-eviction-storm").build(None)
+    engine = SimEngine(cfg, wl, seed=0)
+    resident = Sequence(0, 0.0, prompt_tokens=100, max_output_tokens=3000)
+    huge = Sequence(1, 0.01, prompt_tokens=400_000, max_output_tokens=10)  # more KV than the pool holds
+    short = Sequence(2, 0.35, prompt_tokens=100, max_output_tokens=10)
+    engine.requests = [resident, huge, short]
+    for i, _ in enumerate(engine.frames()):
+        if short.first_scheduled_s is not None or i > 5:
+            break
+    assert engine.sched.admission_blocked and huge.status is Status.WAITING
+    assert short.first_scheduled_s is not None and short.first_scheduled_s - short.arrival_s < 0.1
