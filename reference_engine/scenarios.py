@@ -71,7 +71,7 @@ STORM_LONG_PHASE = (2700.0, 4500.0)
 STORM_QPS = 10.0
 # Short chat turns; long phase: long generations whose KV grows through several regions.
 # The long share sits close to a capacity edge of this cost model: at 1.5 % the storm is
-# found and recovers, TPOT P99 about 2.2x; from about 2 % the 256 MB regions of the short
+# found and recovers, TPOT P99 about 2x; from about 2 % the 256 MB regions of the short
 # requests plus the long ones exceed the pool, the queue grows without bound and the
 # after phase does not recover (a queue avalanche, not the field's self-healing storm).
 _SHORT = RequestClass("short", 1.0, LengthDist(300, 0.6, 16, 2000), LengthDist(170, 0.6, 32, 1500))
