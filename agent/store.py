@@ -615,6 +615,43 @@ class _DictColumn:
         return cls([tuple((k,) for k in keys)], codes, leaves, ints)
 
     @classmethod
+    def of_json_numbers(cls, values: list) -> _DictColumn | None:
+        """:meth:`from_values` of what JSON gives back for ``values``, made from them as they are, for the
+        usual column of dicts whose JSON text reads back unchanged: None and dicts of one layout (nested
+        dicts too), str keys and int or float leaves (not NaN, whose sign and payload JSON drops; not bool,
+        numpy or other subclasses, which JSON writes as something else). None for any other column, or one
+        that :meth:`from_values` keeps as objects: the caller reads the JSON text back then.
+        """
+        dicts = [v for v in values if v is not None]
+        if not dicts or set(map(type, dicts)) != {dict}:
+            return None
+        n = len(values)
+        present = None if len(dicts) == n else np.array([v is not None for v in values], dtype=bool)
+        columns: list[tuple[tuple, Any]] = []  # (leaf path, its value in every dict)
+        if dicts[0]:
+            if not _leaf_columns(dicts, (), columns):
+                return None
+        elif any(dicts):  # empty dicts are a layout without leaves; one only when every dict is empty
+            return None
+        leaves, ints = {}, set()
+        for path, column in columns:
+            whole = type(column[0]) is int
+            if whole and (max(column) >= _EXACT_INT_LIMIT or min(column) <= -_EXACT_INT_LIMIT):
+                return None  # from_values keeps such a column as objects
+            got = np.array(column, dtype=np.float64)
+            if whole:
+                ints.add(path)
+            elif np.isnan(got).any():
+                return None
+            if present is None:
+                leaves[path] = got
+            else:
+                leaves[path] = np.full(n, np.nan)
+                leaves[path][present] = got
+        codes = np.zeros(n, dtype=np.int32) if present is None else np.where(present, 0, -1).astype(np.int32)
+        return cls([tuple(p for p, _ in columns)], codes, leaves, ints)
+
+    @classmethod
     def concat(cls, parts: list[_DictColumn | None], sizes: list[int]) -> _DictColumn | None:
         """Concatenate (None parts are rows without the column); None when a leaf holds ints in one
         part and floats in another (one float array would turn those ints into floats)."""
@@ -689,6 +726,25 @@ def _flatten(d: dict, prefix: tuple, out: list) -> bool:
         elif isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_)):
             out.append((path, v))
         else:  # a bool or None leaf would come back as a number or NaN: such dicts stay JSON
+            return False
+    return True
+
+
+def _leaf_columns(dicts, prefix: tuple, out: list) -> bool:
+    """(path, the leaf's value in every dict) into ``out``, in :func:`_flatten`'s order, for non-empty dicts
+    of one layout with str keys and leaves all int or all float (a leaf at a time); False for any others."""
+    keys = tuple(dicts[0])
+    if not keys or not all(type(k) is str for k in keys) or not all(map(keys.__eq__, map(tuple, dicts))):
+        return False
+    columns = zip(*map(operator.itemgetter(*keys), dicts)) if len(keys) > 1 else [[d[keys[0]] for d in dicts]]
+    for key, column in zip(keys, columns):
+        types = set(map(type, column))
+        if types == {dict}:
+            if not _leaf_columns(column, prefix + (key,), out):
+                return False
+        elif types == {int} or types == {float}:
+            out.append((prefix + (key,), column))
+        else:  # ints and floats in one leaf, or values JSON changes (bools, numpy numbers, None, strings)
             return False
     return True
 
@@ -1178,11 +1234,22 @@ def encode_fresh(columns: dict, n: int) -> tuple[bytes, dict]:
     return encode_block(columns, n, sealed=False, twin=twin), twin
 
 
+_STR_OR_NONE = frozenset((str, type(None)))
+
+
 def _twin_of(a, meta: dict, parts: list[bytes]):
     """What decoding a fresh column of ``meta`` and ``parts`` gives back (raw, flattened): ``a`` itself
-    where that is the same (numbers, strings), else the decoder's reading of the parts."""
-    if meta["codec"] == "json" or (meta["codec"] == "jsonlist" and any(
-            v is not None and type(v) is not str for v in a.tolist())):
+    where that is the same (numbers, strings, dicts of numbers that JSON gives back unchanged, flattened),
+    else the decoder's reading of the parts."""
+    if meta["codec"] == "jsonlist":
+        values = a.tolist()
+        if set(map(type, values)) <= _STR_OR_NONE:
+            return a
+        flat = _DictColumn.of_json_numbers(values)
+        if flat is not None:
+            return flat
+        a = _decode_column(meta, _Cursor(b"".join(parts), 0), len(a))
+    elif meta["codec"] == "json":
         a = _decode_column(meta, _Cursor(b"".join(parts), 0), len(a))
     return _flat_dicts(a)
 
@@ -1984,6 +2051,11 @@ def _array(values: list) -> np.ndarray:
             return _objects(values)
     elif type(None) in types and types <= _NUMBER_OR_NONE:
         return np.array(values, dtype=np.float64)
+    if str in types or dict in types:
+        # A string or a dict makes any column objects, as it is (has_other below): a counter by
+        # kind per process, the tracker's missing_reasons, strings with gaps. numpy's inference
+        # would only walk the dicts to find that out.
+        return _objects(values)
     try:
         a = np.array(values)
     except (ValueError, OverflowError, TypeError):

@@ -1248,6 +1248,68 @@ def test_dicts_of_one_shape_flatten_as_row_by_row_flattening_does(values):
             assert leaf.dtype == slow.leaves[path].dtype and np.array_equal(leaf, slow.leaves[path], equal_nan=True)
 
 
+# A fresh block's twin is what decoding the block gives back (raw, flattened): dicts of numbers whose
+# JSON text reads back unchanged are flattened from the values themselves, every other column is read
+# back from the JSON text. Either way the twin must be the decoder's reading, bit for bit.
+_json_leaf = st.one_of(st.integers(-10, 10), st.integers(2**53 - 2, 2**53 + 2), st.just(10**400),
+                       st.floats(allow_nan=True), st.sampled_from([-0.0, math.inf, -math.nan, math.nan]),
+                       st.booleans(), st.none(), st.just("x"), st.just({}),
+                       st.builds(np.int64, st.integers(-5, 5)), st.builds(np.float64, st.floats(-1, 1)))
+_json_pair = st.fixed_dictionaries({"corrected": _json_leaf, "uncorrected": _json_leaf})
+_json_row = st.one_of(
+    st.none(), st.integers(0, 3), st.just("s"), st.just([1, 2]), st.just({}), st.just({1: 2, 3: 4}),
+    st.fixed_dictionaries({"a": _json_leaf}), st.fixed_dictionaries({"a": _json_leaf, "b": _json_leaf}),
+    st.fixed_dictionaries({"a": st.integers(0, 9), "b": st.integers(0, 9)}),
+    st.fixed_dictionaries({"b": st.integers(0, 9), "a": st.integers(0, 9)}),
+    st.fixed_dictionaries({"a": st.floats(0, 9), "b": st.integers(0, 9)}),
+    st.fixed_dictionaries({"volatile": _json_pair, "aggregate": _json_pair}),
+    st.fixed_dictionaries({"volatile": st.fixed_dictionaries({"corrected": st.integers(0, 9)}),
+                           "aggregate": st.fixed_dictionaries({"corrected": st.integers(0, 9)})}))
+
+
+def _same_bits(a, b) -> bool:
+    """Equal columns: the same class and dtype, flattened dicts leaf by leaf to the bit, objects by type and repr."""
+    from gpudiag.agent import store
+
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, store._DictColumn):
+        return (a.layouts == b.layouts and a.int_paths == b.int_paths and a.codes.dtype == b.codes.dtype
+                and np.array_equal(a.codes, b.codes) and list(a.leaves) == list(b.leaves)
+                and all(a.leaves[p].dtype == b.leaves[p].dtype
+                        and np.array_equal(a.leaves[p].view(np.int64), b.leaves[p].view(np.int64)) for p in a.leaves))
+    if a.dtype != b.dtype:
+        return False
+    if a.dtype != object:
+        return np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    return [type(v) for v in a.tolist()] == [type(v) for v in b.tolist()] and repr(a.tolist()) == repr(b.tolist())
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(_json_row, min_size=1, max_size=8))
+def test_a_fresh_columns_twin_is_what_decoding_its_block_gives_back(values):
+    from gpudiag.agent import store
+
+    n = len(values)
+    a = store._array(values)
+    twin: dict = {}
+    block = store.encode_block({"t": np.arange(n, dtype=np.float64), "c": a}, n, sealed=False, twin=twin)
+    _, decoded = store._flattened(store.decode_block(block, raw=True))
+    assert _same_bits(twin["c"], decoded["c"])
+
+
+@given(st.lists(st.one_of(st.none(), st.integers(), st.floats(allow_nan=True), st.booleans(),
+                          st.builds(np.int64, st.integers(-5, 5))), max_size=6),
+       st.lists(st.sampled_from(["x", "", {}, {"a": 1}]), min_size=1, max_size=3), st.randoms())
+def test_a_column_with_a_string_or_a_dict_is_kept_as_objects_as_it_is(others, objects, rnd):
+    from gpudiag.agent import store
+
+    values = others + objects
+    rnd.shuffle(values)
+    got = store._array(values)
+    assert got.dtype == object and len(got) == len(values) and all(x is v for x, v in zip(got.tolist(), values))
+
+
 def test_a_column_of_shared_dicts_encodes_as_one_of_equal_separate_dicts():
     from gpudiag.agent import store
 
