@@ -185,10 +185,12 @@ class SimTimeline(Probe):
 
     name = "sim"
 
-    def __init__(self, scenario: str, *, speed: float, seed: int, t0: float | None = None):
+    def __init__(self, scenario: str, *, speed: float, seed: int, t0: float | None = None,
+                 hold_after_s: float | None = None):
         from gpudiag.probes.sim import SimProbe
 
-        self.sim = SimProbe(scenario, speed=speed, seed=seed, timeline=True)
+        # ``hold_after_s``: simulated seconds the engine may run before the first hold_after.
+        self.sim = SimProbe(scenario, speed=speed, seed=seed, timeline=True, hold_after_s=hold_after_s)
         self.t0 = time.time() if t0 is None else t0
         # Drained four times per wall second at most speeds, so findings follow the
         # simulated clock closely without a wake-up per simulated second.
@@ -559,7 +561,9 @@ class Agent:
         slots = []
         engine_urls = cfg.get("probes.engine_urls")
         if self.sim is not None:
-            self._sim_probe = SimTimeline(self.sim, speed=self.speed, seed=self.seed)
+            # Held from its first step: the analyses must follow it from the start.
+            self._sim_probe = SimTimeline(self.sim, speed=self.speed, seed=self.seed,
+                                          hold_after_s=cfg.get("analyzers.interval_s") + SIM_LEAD_S)
             slots.append(ProbeSlot("sim", self._sim_probe, self._sim_probe.interval_s, self._ingest, timeline=True))
             from gpudiag.probes.engine_scrape import EngineScrapeProbe
 
@@ -730,8 +734,6 @@ class Agent:
     def _analysis_loop(self) -> None:
         last_t: float | None = None
         sim = self._sim_probe
-        if sim is not None:
-            sim.hold_after(sim.t0 + self.config.get("analyzers.interval_s") + SIM_LEAD_S)
         while not self._stop.is_set():
             interval = self.config.get("analyzers.interval_s")
             newest = self.window.wait_for(last_t, interval, ANALYSIS_WAKE_S)
@@ -740,6 +742,11 @@ class Agent:
             if last_t is None:
                 last_t = newest
             if newest - last_t < interval:
+                if sim is not None:
+                    # The engine must be let run to the frame that makes the next analysis due,
+                    # whatever the first frame seen (this thread may start after the engine
+                    # reached its first hold) and whatever interval a reload just set.
+                    sim.hold_after(last_t + interval + SIM_LEAD_S)
                 continue
             last_t = newest
             try:

@@ -25,7 +25,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpudiag.agent.config import AgentConfig, load, parse
-from gpudiag.agent.daemon import Agent, FindingLog, SlidingWindow
+from gpudiag.agent.daemon import SIM_LEAD_S, Agent, FindingLog, SlidingWindow
 from gpudiag.agent.store import Store
 from gpudiag.catalog import M
 from gpudiag.errors import GpudiagError
@@ -463,3 +463,30 @@ def test_the_agent_reports_the_cpu_it_burns_and_its_resident_memory(tmp_path):
     rss = next(r[M.agent_resident_memory_bytes] for r in rows if M.agent_resident_memory_bytes in r)
     assert 0.05 < ratio < 0.95  # about half (0.6 s of CPU over ~1.2 s), less on a busy machine
     assert rss > 10 * 1024**2
+
+
+def _wait_for_analyses(agent, n: int, deadline_s: float = 60.0) -> int:
+    end = time.monotonic() + deadline_s
+    while agent.analyses < n and time.monotonic() < end:
+        time.sleep(0.05)
+    return agent.analyses
+
+
+def test_a_simulated_engine_that_reaches_its_hold_before_the_first_analysis_is_let_run_on(tmp_path):
+    # The engine is held SIM_LEAD_S past the next analysis' due time from its first step. At this
+    # speed it is at that hold before the first frames reach the window, so the first frame the
+    # analyses see is already past the first due time: the hold must move with it, or the engine
+    # and the analyses wait on each other for good. The same holds for a longer interval loaded.
+    cfg = AgentConfig().with_overrides({"store.path": str(tmp_path / "s.db"), "analyzers.interval_s": 10})
+    agent = Agent(cfg, sim="tensor-leak", speed=5000, seed=0, serve_metrics=False).start()
+    sim = agent._sim_probe.sim
+    try:
+        assert _wait_for_analyses(agent, 3) >= 3, f"no analysis; the engine stopped at {sim.sim_time_s:g} s"
+        longer = 5 * SIM_LEAD_S
+        agent.reload(cfg.with_overrides({"analyzers.interval_s": longer}))
+        before, sim_before = agent.analyses, sim.sim_time_s
+        assert _wait_for_analyses(agent, before + 2) >= before + 2, \
+            f"no analysis after the reload; the engine stopped at {sim.sim_time_s:g} s"
+        assert sim.sim_time_s >= sim_before + longer
+    finally:
+        agent.stop()
