@@ -736,25 +736,23 @@ class Agent:
         sim = self._sim_probe
         while not self._stop.is_set():
             interval = self.config.get("analyzers.interval_s")
+            if sim is not None and last_t is not None:
+                # The engine runs to SIM_LEAD_S past the frame that makes the next analysis due,
+                # counted from the last analysis or the first frame seen (this thread may start
+                # after the engine reached its first hold), with the interval as now configured.
+                sim.hold_after(last_t + interval + SIM_LEAD_S)
             newest = self.window.wait_for(last_t, interval, ANALYSIS_WAKE_S)
             if newest is None or self._stop.is_set():
                 continue
             if last_t is None:
                 last_t = newest
             if newest - last_t < interval:
-                if sim is not None:
-                    # The engine must be let run to the frame that makes the next analysis due,
-                    # whatever the first frame seen (this thread may start after the engine
-                    # reached its first hold) and whatever interval a reload just set.
-                    sim.hold_after(last_t + interval + SIM_LEAD_S)
                 continue
             last_t = newest
             try:
                 self.analyze_once()
             except Exception as exc:  # noqa: BLE001 - an analyzer bug: log it, analyze again next time
                 log.error("streaming analysis failed: %s: %s", type(exc).__name__, exc)
-            if sim is not None:
-                sim.hold_after(newest + self.config.get("analyzers.interval_s") + SIM_LEAD_S)
 
     def analyze_once(self) -> list[Finding]:
         """Run every analyzer over the in-memory window once; log, store and export what changed."""

@@ -71,7 +71,7 @@ import threading
 import time
 import zlib
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -583,73 +583,56 @@ class _DictColumn:
         return cls(list(layouts), codes, leaves, ints)
 
     @classmethod
-    def _from_one_shape(cls, values: list):
+    def _from_one_shape(cls, values: list, *, json_exact: bool = False):
         """:meth:`from_values` for the usual column, every dict with the same keys in the same order
-        and no nested dict (a counter by kind, every second): a leaf at a time instead of a row at a
-        time, as a seal flattens ~300 x 128 of them. _NOT_ONE_SHAPE for any other column."""
-        dicts = [v for v in values if v is not None]
-        if not dicts or type(dicts[0]) is not dict or not dicts[0]:
-            return _NOT_ONE_SHAPE
-        keys = tuple(dicts[0])
-        if not all(type(k) in _KEY_TYPES for k in keys) \
-                or not all(type(d) is dict and tuple(d) == keys for d in dicts):
-            return _NOT_ONE_SHAPE
-        present = np.array([v is not None for v in values], dtype=bool)
-        columns = list(zip(*[d.values() for d in dicts]))
-        leaves, ints = {}, set()
-        for key, column in zip(keys, columns):
-            types = set(map(type, column))
-            if not all(issubclass(tp, _LEAF_NUMBERS) and not issubclass(tp, _LEAF_BOOLS) for tp in types):
-                return _NOT_ONE_SHAPE  # nested dicts, bools, None, strings: the general path decides
-            whole = [issubclass(tp, (int, np.integer)) for tp in types]
-            if all(whole):
-                if max(abs(int(x)) for x in column) >= _EXACT_INT_LIMIT:
-                    return None  # past 2**53 a leaf's float64 array would round them
-                ints.add((key,))
-            elif any(whole):
-                return None  # ints and floats in one leaf: one array would turn the ints into floats
-            leaf = np.full(len(values), np.nan)
-            leaf[present] = np.array(column, dtype=np.float64)
-            leaves[(key,)] = leaf
-        codes = np.where(present, 0, -1).astype(np.int32)
-        return cls([tuple((k,) for k in keys)], codes, leaves, ints)
+        (nested dicts too; a counter by kind, every second): a leaf at a time instead of a row at a
+        time, as a seal flattens ~300 x 128 of them. _NOT_ONE_SHAPE for any other column.
 
-    @classmethod
-    def of_json_numbers(cls, values: list) -> _DictColumn | None:
-        """:meth:`from_values` of what JSON gives back for ``values``, made from them as they are, for the
-        usual column of dicts whose JSON text reads back unchanged: None and dicts of one layout (nested
-        dicts too), str keys and int or float leaves (not NaN, whose sign and payload JSON drops; not bool,
-        numpy or other subclasses, which JSON writes as something else). None for any other column, or one
-        that :meth:`from_values` keeps as objects: the caller reads the JSON text back then.
+        ``json_exact``: only a column whose JSON text reads back as these very values (str keys;
+        leaves all int or all float, no NaN, whose sign and payload JSON drops; no bool, numpy or
+        other subclass, which JSON writes as something else), so the result is also
+        :meth:`from_values` of the decoded JSON.
         """
         dicts = [v for v in values if v is not None]
         if not dicts or set(map(type, dicts)) != {dict}:
-            return None
+            return _NOT_ONE_SHAPE
         n = len(values)
         present = None if len(dicts) == n else np.array([v is not None for v in values], dtype=bool)
-        columns: list[tuple[tuple, Any]] = []  # (leaf path, its value in every dict)
-        if dicts[0]:
-            if not _leaf_columns(dicts, (), columns):
-                return None
-        elif any(dicts):  # empty dicts are a layout without leaves; one only when every dict is empty
-            return None
+        codes = np.zeros(n, dtype=np.int32) if present is None else np.where(present, 0, -1).astype(np.int32)
+        if not any(dicts):  # every dict empty: one layout without leaves (a process missing no column)
+            return cls([()], codes, {}, set())
+        columns: list[tuple[tuple, Any, set]] = []  # (leaf path, its value in every dict, their types)
+        if json_exact:
+            found = _leaf_columns(dicts, (), columns, _JSON_KEY_TYPES, _json_exact_leaf)
+        else:
+            found = _leaf_columns(dicts, (), columns, _KEY_TYPES, _number_leaf)
+        if not found:
+            return _NOT_ONE_SHAPE  # bools, None, strings, other layouts: the general path decides
         leaves, ints = {}, set()
-        for path, column in columns:
-            whole = type(column[0]) is int
-            if whole and (max(column) >= _EXACT_INT_LIMIT or min(column) <= -_EXACT_INT_LIMIT):
-                return None  # from_values keeps such a column as objects
-            got = np.array(column, dtype=np.float64)
+        for path, column, types in columns:
+            if types == {int}:  # the common leaves, tested at C speed
+                whole, big = True, max(column) >= _EXACT_INT_LIMIT or min(column) <= -_EXACT_INT_LIMIT
+            elif types == {float}:
+                whole = big = False
+            else:
+                kinds = [issubclass(tp, (int, np.integer)) for tp in types]
+                if not all(kinds) and any(kinds):
+                    return None  # ints and floats in one leaf: one array would turn the ints into floats
+                whole = all(kinds)
+                big = whole and max(abs(int(x)) for x in column) >= _EXACT_INT_LIMIT
+            if big:
+                return None  # past 2**53 a leaf's float64 array would round them
             if whole:
                 ints.add(path)
-            elif np.isnan(got).any():
-                return None
+            got = np.array(column, dtype=np.float64)
+            if json_exact and path not in ints and np.isnan(got).any():
+                return _NOT_ONE_SHAPE
             if present is None:
                 leaves[path] = got
             else:
                 leaves[path] = np.full(n, np.nan)
                 leaves[path][present] = got
-        codes = np.zeros(n, dtype=np.int32) if present is None else np.where(present, 0, -1).astype(np.int32)
-        return cls([tuple(p for p, _ in columns)], codes, leaves, ints)
+        return cls([tuple(p for p, _, _ in columns)], codes, leaves, ints)
 
     @classmethod
     def concat(cls, parts: list[_DictColumn | None], sizes: list[int]) -> _DictColumn | None:
@@ -730,21 +713,33 @@ def _flatten(d: dict, prefix: tuple, out: list) -> bool:
     return True
 
 
-def _leaf_columns(dicts, prefix: tuple, out: list) -> bool:
-    """(path, the leaf's value in every dict) into ``out``, in :func:`_flatten`'s order, for non-empty dicts
-    of one layout with str keys and leaves all int or all float (a leaf at a time); False for any others."""
+def _number_leaf(types: set) -> bool:
+    return all(issubclass(tp, _LEAF_NUMBERS) and not issubclass(tp, _LEAF_BOOLS) for tp in types)
+
+
+def _json_exact_leaf(types: set) -> bool:
+    return types == {int} or types == {float}
+
+
+_JSON_KEY_TYPES = (str,)
+
+
+def _leaf_columns(dicts, prefix: tuple, out: list, key_types: tuple, leaf_ok: Callable[[set], bool]) -> bool:
+    """(path, the leaf's value in every dict, their types) into ``out``, in :func:`_flatten`'s order,
+    for non-empty dicts of one layout (nested dicts too) with keys of exactly ``key_types`` and every
+    leaf's value types passing ``leaf_ok``; False for any others."""
     keys = tuple(dicts[0])
-    if not keys or not all(type(k) is str for k in keys) or not all(map(keys.__eq__, map(tuple, dicts))):
+    if not keys or not all(type(k) in key_types for k in keys) or not all(map(keys.__eq__, map(tuple, dicts))):
         return False
     columns = zip(*map(operator.itemgetter(*keys), dicts)) if len(keys) > 1 else [[d[keys[0]] for d in dicts]]
     for key, column in zip(keys, columns):
         types = set(map(type, column))
         if types == {dict}:
-            if not _leaf_columns(column, prefix + (key,), out):
+            if not _leaf_columns(column, prefix + (key,), out, key_types, leaf_ok):
                 return False
-        elif types == {int} or types == {float}:
-            out.append((prefix + (key,), column))
-        else:  # ints and floats in one leaf, or values JSON changes (bools, numpy numbers, None, strings)
+        elif leaf_ok(types):
+            out.append((prefix + (key,), column, types))
+        else:
             return False
     return True
 
@@ -1245,8 +1240,8 @@ def _twin_of(a, meta: dict, parts: list[bytes]):
         values = a.tolist()
         if set(map(type, values)) <= _STR_OR_NONE:
             return a
-        flat = _DictColumn.of_json_numbers(values)
-        if flat is not None:
+        flat = _DictColumn._from_one_shape(values, json_exact=True)
+        if isinstance(flat, _DictColumn):
             return flat
         a = _decode_column(meta, _Cursor(b"".join(parts), 0), len(a))
     elif meta["codec"] == "json":
@@ -2043,25 +2038,19 @@ def _array(values: list) -> np.ndarray:
     # The Python types present decide the common columns at C speed: all floats, all ints, all
     # strings, numbers with gaps (a process without the torch columns; numpy reads None as NaN).
     types = set(map(type, values))
-    if len(types) == 1:
-        (only,) = types
-        if only is float:
-            return np.array(values, dtype=np.float64)
-        if only is str:
-            return _objects(values)
-    elif type(None) in types and types <= _NUMBER_OR_NONE:
-        return np.array(values, dtype=np.float64)
+    if types == {float} or (len(types) > 1 and type(None) in types and types <= _NUMBER_OR_NONE):
+        return np.array(values, dtype=np.float64)  # numbers with gaps: numpy reads None as NaN
     if str in types or dict in types:
-        # A string or a dict makes any column objects, as it is (has_other below): a counter by
-        # kind per process, the tracker's missing_reasons, strings with gaps. numpy's inference
-        # would only walk the dicts to find that out.
+        # A string or a dict makes any column objects, as it is (has_other below): strings, a
+        # counter by kind per process, the tracker's missing_reasons, strings with gaps. numpy's
+        # inference would only walk the dicts to find that out.
         return _objects(values)
     try:
         a = np.array(values)
     except (ValueError, OverflowError, TypeError):
         a = None
-    # numpy's own inference is the fast path for the common all-number and all-string
-    # columns; None, dicts and mixtures fall through to the explicit classification.
+    # numpy's own inference is the fast path for the other all-number columns; None with
+    # numpy numbers, lists and mixtures fall through to the explicit classification.
     if a is not None and a.ndim == 1 and len(a) == len(values):
         if a.dtype.kind == "i":
             return a.astype(np.int64, copy=False)
@@ -2069,8 +2058,6 @@ def _array(values: list) -> np.ndarray:
             return a.astype(np.float64, copy=False)
         if a.dtype.kind == "b":
             return a
-        if a.dtype.kind == "U" and all(type(v) is str for v in values):
-            return a.astype(object)
     has_none = has_float = has_int = has_bool = has_other = False
     for v in values:
         if v is None:
