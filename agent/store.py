@@ -2774,21 +2774,27 @@ class Store:
     def _delete_oldest(self, conn: sqlite3.Connection, tables: list[str], target_bytes: int) -> int:
         """Delete the oldest chunks (all kinds, by end time) until the database uses <= target_bytes."""
         deleted = 0
-        # Deleting a chunk frees fewer bytes than its length when it shared pages with
-        # others, so delete by estimate, measure, and go on from there.
+        # What deleting a chunk frees is not its length: the pages its frames fill hold slack
+        # and index entries too (more), and pages it shares with chunks that stay are not freed
+        # (less). Each pass counts every chunk as its share of all the pages the database uses,
+        # an overestimate (that includes the schema's own pages), so a pass deletes no more than
+        # it must; then it measures and goes on. Counting chunks at their length deleted every
+        # chunk but the last few seconds of a small store to get a third of the way.
         for _ in range(64):
-            need = self._used_bytes(conn) - target_bytes
+            used = self._used_bytes(conn)
+            need = used - target_bytes
             if need <= 0:
                 break
             candidates = sorted((t_end, t, rowid, size) for t in tables for rowid, t_end, size in conn.execute(
                 f"SELECT rowid, t_end, length(data) FROM {t}"))
             if not candidates:
                 break
-            freed = 0
+            per_byte = max(used / max(sum(c[3] for c in candidates), 1), 1.0)
+            freed = 0.0
             victims: dict[str, list[int]] = {}
             for _, t, rowid, size in candidates:
                 victims.setdefault(t, []).append(rowid)
-                freed += size
+                freed += size * per_byte
                 if freed >= need:
                     break
             for t, rowids in victims.items():
