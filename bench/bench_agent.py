@@ -11,6 +11,9 @@ analyzers every 10 s, and /metrics scraped over HTTP every 15 s as Prometheus
 would.
 
 Prints:
+  * the machine's speed: CPU time of a fixed piece of work (the same in every version), back
+    to back and after a second of idling, as the agent's once-a-second threads run; compare
+    runs made at different times by it before comparing the agent's figures;
   * agent CPU as % of one core (process CPU time per wall second), with and
     without the synthetic probe's own cost of making frames (which a real
     NVML probe replaces with its own), goal <= 1 %; and per agent thread;
@@ -55,6 +58,8 @@ import tempfile
 import threading
 import time
 import urllib.request
+
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -133,6 +138,37 @@ def prefill(agent: Agent, gpus: int, processes_per_gpu: int, window_s: float, in
             agent.window.window(agent.node)
 
 
+def reference_work(rows: list[dict[str, float]]) -> float:
+    """CPU seconds of a fixed piece of work shaped like the agent's (row dicts into numpy columns).
+
+    The same in every version of the agent, so runs on different days can be compared: this VM's
+    speed moves by a fifth within an hour.
+    """
+    t = time.thread_time()
+    for _ in range(2):
+        cols = {k: np.array([r[k] for r in rows]) for k in rows[0]}
+        sum(float(c.sum()) for c in cols.values())
+    return time.thread_time() - t
+
+
+def machine_speed(samples: int = 7, idle_s: float = 1.0) -> tuple[float, float]:
+    """Median CPU seconds of :func:`reference_work` back to back, and after ``idle_s`` of sleep each time.
+
+    The agent's threads wake once a second (the tracker, the flusher) or every 10 s (the
+    analyzer), so they run nearer the second speed: on a VM whose core idles between the
+    agent's ticks, the same work takes more CPU time than it does in a loop.
+    """
+    # Rows that live on between the runs, as the agent's own state does between its ticks.
+    rows = [{f"k{j}": float(i * j) for j in range(20)} for i in range(128 * 8)]
+    reference_work(rows)
+    hot = statistics.median(reference_work(rows) for _ in range(samples))
+    cold = []
+    for _ in range(samples):
+        time.sleep(idle_s)
+        cold.append(reference_work(rows))
+    return hot, statistics.median(cold)
+
+
 def analysis_split(agent: Agent, node: SyntheticNode, runs: int = 7) -> tuple[float, float, float]:
     """Median CPU seconds of (window build, first read of its columns, analyzers' own work) per analysis."""
     from gpudiag.analyzers.registry import run_streaming
@@ -172,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--engine-interval-s must be at least 1 and --requests-per-s at least 0")
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
 
+    speed = machine_speed()
     with tempfile.TemporaryDirectory() as tmp:
         load = {"requests_per_s": args.requests_per_s, "engine_interval_s": args.engine_interval_s}
         node = SyntheticNode(gpus=args.gpus, processes_per_gpu=args.processes_per_gpu, **load)
@@ -233,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     rss_max = max(r for _, r in rss_trace)
     print(f"node: {gpus} GPUs x {args.processes_per_gpu} processes, 1 s samples; measured {wall / 60:.1f} min "
           f"after a 30 s warm-up, window {window_s:g} s pre-filled")
+    print(f"machine: a fixed reference work takes {speed[0] * 1000:.2f} ms of CPU back to back, "
+          f"{speed[1] * 1000:.2f} ms after 1 s idle (x{speed[1] / speed[0]:.2f}; medians of 7)")
     print(f"agent CPU: {100 * cpu / wall:.2f} % of one core in all; {100 * (cpu - busy) / wall:.2f} % without "
           f"the synthetic probe making frames ({100 * busy / wall:.2f} %)   goal <= 1 %")
     per_thread = sorted(((name, v - threads0.get(name, 0.0)) for name, v in threads1.items()), key=lambda kv: -kv[1])
