@@ -2778,8 +2778,8 @@ class Store:
         # and index entries too (more), and pages it shares with chunks that stay are not freed
         # (less). Each pass counts every chunk as its share of all the pages the database uses,
         # an overestimate (that includes the schema's own pages), so a pass deletes no more than
-        # it must; then it measures and goes on. Counting chunks at their length deleted every
-        # chunk but the last few seconds of a small store to get a third of the way.
+        # it must; then it measures and goes on. Counted at their length, chunks were taken to
+        # free too little: a store of small chunks at twice its limit deleted every one of them.
         for _ in range(64):
             used = self._used_bytes(conn)
             need = used - target_bytes

@@ -817,8 +817,8 @@ def test_retention_by_size_keeps_the_file_under_max_bytes_and_the_newest_frames(
     assert os.path.getsize(path) <= max_bytes * 1.1  # pages are handed back (incremental vacuum)
     assert last == pytest.approx(T0 + 899, abs=0.01)
     assert first > T0 + 120  # the oldest went first
-    # ... and no more than needed: what is left fills most of the target (a third of the file is
-    # the schema's own pages; counting chunks at their length left the last 4 of 900 seconds here).
+    # ... and no more than needed: what is left fills most of the target (the schema's own pages
+    # take half of it here; counting chunks at their length left the last 4 of 900 seconds).
     assert health["db_bytes"] >= 0.8 * max_bytes * SIZE_RETENTION_TARGET_RATIO
 
 
