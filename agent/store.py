@@ -572,13 +572,11 @@ class _DictColumn:
         leaves, ints = {}, set()
         for path, column in leaf_values.items():
             present = [x for x in column if x is not None]
-            whole = [isinstance(x, (int, np.integer)) for x in present]
-            if all(whole):
-                if present and max(abs(int(x)) for x in present) >= _EXACT_INT_LIMIT:
-                    return None  # past 2**53 a leaf's float64 array would round them
+            whole = _whole_leaf(present, set(map(type, present)))
+            if whole is None:
+                return None
+            if whole:
                 ints.add(path)
-            elif any(whole):
-                return None  # ints and floats in one leaf: one array would turn the ints into floats
             leaves[path] = np.array([np.nan if x is None else float(x) for x in column], dtype=np.float64)
         return cls(list(layouts), codes, leaves, ints)
 
@@ -610,18 +608,9 @@ class _DictColumn:
             return _NOT_ONE_SHAPE  # bools, None, strings, other layouts: the general path decides
         leaves, ints = {}, set()
         for path, column, types in columns:
-            if types == {int}:  # the common leaves, tested at C speed
-                whole, big = True, max(column) >= _EXACT_INT_LIMIT or min(column) <= -_EXACT_INT_LIMIT
-            elif types == {float}:
-                whole = big = False
-            else:
-                kinds = [issubclass(tp, (int, np.integer)) for tp in types]
-                if not all(kinds) and any(kinds):
-                    return None  # ints and floats in one leaf: one array would turn the ints into floats
-                whole = all(kinds)
-                big = whole and max(abs(int(x)) for x in column) >= _EXACT_INT_LIMIT
-            if big:
-                return None  # past 2**53 a leaf's float64 array would round them
+            whole = _whole_leaf(column, types)
+            if whole is None:
+                return None
             if whole:
                 ints.add(path)
             got = np.array(column, dtype=np.float64)
@@ -710,6 +699,21 @@ def _flatten(d: dict, prefix: tuple, out: list) -> bool:
             out.append((path, v))
         else:  # a bool or None leaf would come back as a number or NaN: such dicts stay JSON
             return False
+    return True
+
+
+def _whole_leaf(values, types: set) -> bool | None:
+    """Whether a leaf's (present) ``values`` of ``types`` are ints (True) or floats (False) in a float64 array;
+    None when they cannot be one: ints and floats in one leaf (the ints would come back as floats), or an
+    int past 2**53 (it would round)."""
+    if types == {float}:
+        return False
+    if types != {int}:  # numpy numbers among them; {int} and {float} are the common leaves, tested at C speed
+        kinds = [issubclass(tp, (int, np.integer)) for tp in types]
+        if not all(kinds):
+            return None if any(kinds) else False
+    if values and (max(values) >= _EXACT_INT_LIMIT or min(values) <= -_EXACT_INT_LIMIT):
+        return None
     return True
 
 
