@@ -28,6 +28,7 @@ import json
 import logging
 import math
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -160,6 +161,15 @@ class _HTTPServer(ThreadingHTTPServer):
     # kernel resets the connections it cannot queue, where the admission control is meant to
     # answer them with 429. Serving frontends listen with hundreds (uvicorn: 2048).
     request_queue_size = 1024
+
+    def handle_error(self, request, client_address):
+        # Called from socketserver's own except block: the exception is the current one. A client
+        # that hangs up early (a scraper past its timeout) is routine; anything else is one line.
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            log.debug("client %s:%s went away: %r", *client_address[:2], exc)
+        else:
+            log.error("request from %s failed: %s: %s", client_address[0], type(exc).__name__, exc)
 
 
 class EngineServer:

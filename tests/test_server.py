@@ -11,6 +11,8 @@ import http.client
 import json
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -314,6 +316,18 @@ def test_metrics_parse_as_prometheus_text_in_vllms_dialect_with_gpudiags_engine_
     grey = _value(families, M.process_torch_reserved_bytes)
     black = _value(families, M.process_gpu_memory_bytes)
     assert 0 < white <= grey < black
+
+
+def test_clients_that_hang_up_early_are_no_traceback_and_the_server_keeps_serving(served):
+    # A scraper that times out and closes (the agent's engine probe under load) resets the
+    # connection; the server meets that reading the request or writing the answer.
+    for _ in range(20):
+        s = socket.create_connection(("127.0.0.1", served.port), timeout=HTTP_TIMEOUT_S)
+        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
+        s.close()
+    assert served.metrics()  # still serving
+    assert "Traceback" not in served.log_path.read_text()
 
 
 def test_the_agents_engine_probe_reads_the_server_as_it_reads_a_vllm(served):
