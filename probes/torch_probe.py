@@ -50,11 +50,11 @@ STALE_FLOOR_S = 15.0
 
 def default_runtime_dirs() -> list[str]:
     """This user's runtime directory plus every user's that is visible (the agent may run as root)."""
-    dirs = [default_runtime_dir()] + sorted(glob.glob("/run/user/*/gpudiag")) + sorted(glob.glob("/tmp/gpudiag-*"))
+    # Of /tmp, only the per-uid directories the reporter itself creates; the configured one whatever its name.
+    per_uid = [d for d in sorted(glob.glob("/tmp/gpudiag-*")) if d[len("/tmp/gpudiag-"):].isdigit()]
+    dirs = [default_runtime_dir()] + sorted(glob.glob("/run/user/*/gpudiag")) + per_uid
     seen, out = set(), []
     for d in dirs:
-        if d.startswith("/tmp/gpudiag-") and not d[len("/tmp/gpudiag-"):].isdigit():
-            continue  # only the per-uid directories the reporter itself creates
         if d not in seen:
             seen.add(d)
             out.append(d)

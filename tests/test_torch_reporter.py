@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from types import SimpleNamespace
@@ -25,7 +26,7 @@ import torch
 from gpudiag.catalog import M
 from gpudiag.probes import torch_reporter
 from gpudiag.probes.base import proc_start_ticks
-from gpudiag.probes.torch_probe import TorchProbe
+from gpudiag.probes.torch_probe import TorchProbe, default_runtime_dirs
 from gpudiag.probes.torch_reporter import instrument, report_path
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -263,6 +264,23 @@ def test_the_agent_finds_a_live_reporter_and_yields_white_and_grey(runtime_dir):
     assert row[M.process_torch_allocated_bytes] == 10 * MIB and row[M.process_torch_reserved_bytes] == 16 * MIB
     assert "bogus_column" not in row
     assert probe.status()["available"] and probe.status()["reporters"][0]["pid"] == os.getpid()
+
+
+def test_the_configured_runtime_directory_is_searched_whatever_its_name(monkeypatch):
+    # /tmp/gpudiag-* directories found by globbing are taken only when per-uid (another user could
+    # plant the rest); the one GPUDIAG_RUNTIME_DIR names is the reporter's, and the probe reads it.
+    configured = tempfile.mkdtemp(prefix="gpudiag-node-", dir="/tmp")
+    try:
+        monkeypatch.setenv(torch_reporter.RUNTIME_DIR_ENV, configured)
+        instrument(interval_s=0.05, stats_source=lambda: [{"device": 0, "uuid": "GPU-x",
+                                                            M.process_torch_allocated_bytes: MIB}])
+        _wait(lambda: _read(report_path(configured, os.getpid())))
+        assert configured in default_runtime_dirs()
+        (frame,) = TorchProbe().sample(1.0)
+        assert [row["pid"] for row in frame.rows] == [os.getpid()]
+    finally:
+        torch_reporter.stop()
+        shutil.rmtree(configured, ignore_errors=True)
 
 
 def test_reports_of_dead_or_reused_pids_are_ignored(runtime_dir):
