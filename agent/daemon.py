@@ -137,18 +137,24 @@ class ProbeSlot:
 
     def _run(self) -> None:
         next_at = time.monotonic()
+        first = True
         while not self._stop.is_set():
             self.tick()
             next_at += self.interval_s
             now = time.monotonic()
             if now > next_at:  # behind: skip the missed ticks
-                if self.last_tick_s > self.interval_s:  # the probe itself is too slow: say so
+                # The first tick carries the probe's setup (the eBPF probe compiles and attaches
+                # its programs, seconds): only a later slow tick means it cannot keep its interval.
+                if first:
+                    log.info("probe %s: first tick (setup) took %.3f s", self.key, self.last_tick_s)
+                elif self.last_tick_s > self.interval_s:  # the probe itself is too slow: say so
                     self.errors["overrun"] = self.errors.get("overrun", 0) + 1
                     if self.errors["overrun"] == 1:
                         log.warning("probe %s: a tick took %.3f s, longer than its %g s interval; it ticks "
                                     "less often (counted as kind=\"overrun\")", self.key, self.last_tick_s,
                                     self.interval_s)
                 next_at = now
+            first = False
             self._stop.wait(max(0.0, next_at - now))
 
     def stop(self, timeout_s: float = 1.0) -> None:

@@ -10,6 +10,7 @@ daemon in-process with probes that fail on purpose.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import signal
@@ -25,7 +26,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpudiag.agent.config import AgentConfig, load, parse
-from gpudiag.agent.daemon import SIM_LEAD_S, Agent, FindingLog, SlidingWindow
+from gpudiag.agent.daemon import SIM_LEAD_S, Agent, FindingLog, ProbeSlot, SlidingWindow
 from gpudiag.agent.store import Store
 from gpudiag.catalog import M
 from gpudiag.errors import GpudiagError
@@ -330,6 +331,43 @@ def test_a_failing_or_stuck_probe_never_stalls_the_others(tmp_path):
     with Store.open(str(tmp_path / "s.db"), readonly=True) as store:
         lo, hi = store.time_range()
         assert len(store.window(lo, hi, kinds=["gpu"]).table("gpu")) >= 20
+
+
+class SlowProbe(Probe):
+    """Each tick takes ``tick_s`` of wall time; the first ``first_s`` (a probe's setup, like eBPF's compile)."""
+
+    name = "slow"
+
+    def __init__(self, tick_s: float, first_s: float | None = None):
+        self.tick_s, self.first_s, self.ticks = tick_s, first_s, 0
+
+    def sample(self, now):
+        time.sleep(self.first_s if self.ticks == 0 and self.first_s is not None else self.tick_s)
+        self.ticks += 1
+        return []
+
+
+def _slot_errors(probe, interval_s, ticks, caplog):
+    slot = ProbeSlot("p", probe, interval_s, lambda slot, frames: None)
+    with caplog.at_level(logging.INFO, logger="gpudiag.agent"):
+        slot.start()
+        try:
+            wait_for(lambda: probe.ticks >= ticks, 30, f"{ticks} ticks")
+        finally:
+            slot.stop()
+    return slot.errors, [r.getMessage() for r in caplog.records if r.name == "gpudiag.agent"]
+
+
+def test_a_probe_slower_than_its_interval_is_counted_as_overrun_and_said_once(caplog):
+    errors, messages = _slot_errors(SlowProbe(tick_s=0.06), 0.02, 6, caplog)
+    assert errors.get("overrun", 0) >= 4
+    assert sum("longer than its 0.02 s interval" in m for m in messages) == 1
+
+
+def test_a_slow_first_tick_is_the_probes_setup_not_an_overrun(caplog):
+    errors, messages = _slot_errors(SlowProbe(tick_s=0.001, first_s=0.5), 0.2, 5, caplog)
+    assert "overrun" not in errors
+    assert any("first tick (setup) took" in m for m in messages)
 
 
 def _finding(start, end, severity=Severity.WARNING):
