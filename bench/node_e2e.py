@@ -90,6 +90,12 @@ def main() -> int:
     agent = subprocess.Popen([py, "-m", "gpudiag", "agent", "--config", cfg], stdout=alog,
                              stderr=subprocess.STDOUT, env=env)
     res["agent_up_s"] = _wait(agent_url, 60, agent)
+    if res["agent_up_s"] is None:
+        agent.kill()
+        engine.kill()
+        print(open(alog.name).read()[-3000:], file=sys.stderr)
+        print("node_e2e: the agent did not come up", file=sys.stderr)
+        return 1
 
     latencies: list[float] = []
     errors: list[str] = []
@@ -173,7 +179,7 @@ def main() -> int:
     res["engine_log_tracebacks"] = engine_log.count("Traceback")
     res["agent_log_warnings"] = [ln for ln in open(alog.name).read().splitlines() if " WARNING " in ln][:5]
 
-    print(f"engine ({args.device}) up in {res['engine_up_s']:.1f} s; agent up in {res['agent_up_s'] or -1:.1f} s")
+    print(f"engine ({args.device}) up in {res['engine_up_s']:.1f} s; agent up in {res['agent_up_s']:.1f} s")
     print(f"load: {res['requests_ok']} requests from {args.clients} clients in {args.load_s:g} s, "
           f"{res['request_errors']} failed, e2e P50 {res['e2e_p50_s'] or 0:.3f} s")
     print(f"agent /metrics: {res['metric_families']} families, scrapes {res['scrape_s']} s")
