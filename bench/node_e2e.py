@@ -62,6 +62,10 @@ def main() -> int:
     ap.add_argument("--agent-port", type=int, default=9411)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    for name, value, least in (("--load-s", args.load_s, 1), ("--clients", args.clients, 1),
+                               ("--max-tokens", args.max_tokens, 1)):
+        if value < least:
+            ap.error(f"{name} must be at least {least}")
     out_path = args.json or (os.path.join(os.environ["OUT"], "node_e2e.json") if os.environ.get("OUT") else None)
     work = tempfile.mkdtemp(prefix="gpudiag-node-e2e-")
     runtime = os.path.join(work, "runtime")

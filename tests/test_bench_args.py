@@ -1,7 +1,10 @@
-"""The agent benchmark refuses a load it cannot make, in one line, before it starts anything."""
+"""The node benchmarks refuse a load they cannot make, in one line, before they start anything; node_e2e runs
+end to end on the CPU."""
 
 from __future__ import annotations
 
+import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +12,7 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "bench_agent.py"
+NODE_E2E = Path(__file__).resolve().parent.parent / "bench" / "node_e2e.py"
 
 
 @pytest.mark.parametrize("args", [["--engine-interval-s", "0"], ["--requests-per-s", "-1"]])
@@ -18,3 +22,32 @@ def test_the_agent_benchmark_refuses_a_load_it_cannot_make(args):
     assert got.returncode == 2
     assert "Traceback" not in got.stderr
     assert "--engine-interval-s must be at least 1" in got.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("args,message", [(["--load-s", "0"], "--load-s must be at least 1"),
+                                          (["--clients", "0"], "--clients must be at least 1")])
+def test_the_node_benchmark_refuses_a_load_it_cannot_make(args, message):
+    got = subprocess.run([sys.executable, str(NODE_E2E), *args], capture_output=True, text=True, timeout=120)
+    assert got.returncode == 2 and "Traceback" not in got.stderr
+    assert message in got.stderr.strip().splitlines()[-1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_node_benchmark_serves_on_the_cpu_and_the_agent_exports_the_engines_memory(tmp_path):
+    out = tmp_path / "node.json"
+    got = subprocess.run([sys.executable, str(NODE_E2E), "--device", "cpu", "--load-s", "4", "--clients", "2",
+                          "--max-tokens", "8", "--engine-port", str(_free_port()), "--agent-port", str(_free_port()),
+                          "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert got.returncode == 0, got.stdout + got.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["requests_ok"] > 0 and res["request_errors"] == 0
+    # The engine's allocator figures reach the agent through the runtime directory it was given.
+    assert res["series"]["gpudiag_process_torch_allocated_bytes"]
+    assert res["series"]["gpudiag_engine_batch_size"]
+    assert res["agent_rc"] == 0 and res["engine_rc"] == 0 and res["engine_log_tracebacks"] == 0
+    assert res["investigate_rc"] == 0 and res["top_rc"] == 0
