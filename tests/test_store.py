@@ -1328,7 +1328,7 @@ def test_a_column_becomes_the_numpy_array_its_python_types_make():
 
     cases = [([1.5, 2.0], np.float64), ([None, 1, 2.5], np.float64), ([1, 2], np.int64), ([True, False], bool),
              ([None, None], object), (["a", "b"], object), ([None, "a"], object), ([2**70, 1], object),
-             ([[1], [2]], object)]
+             ([[1], [2]], object), ([True, 1], object), ([1.5, False], object), ([np.True_, 2], object)]
     for values, dtype in cases:
         got = store._array(values)
         assert got.dtype == dtype and len(got) == len(values), values
