@@ -2037,9 +2037,6 @@ def _flat_dicts(a):
 _NUMBER_OR_NONE = frozenset((int, float, type(None)))
 
 
-_BOOL_TYPES = frozenset((bool, np.bool_))
-
-
 def _array(values: list) -> np.ndarray:
     """A column as numpy: int64, float64 (None as NaN), bool or object (strings, dicts, mixed)."""
     # The Python types present decide the common columns at C speed: all floats, all ints, all
@@ -2059,7 +2056,8 @@ def _array(values: list) -> np.ndarray:
     # numpy's own inference is the fast path for the other all-number columns; None with
     # numpy numbers, lists and mixtures fall through to the explicit classification.
     # numpy makes True 1 among ints (1.0 among floats): a bool among numbers is classified below.
-    if a is not None and a.ndim == 1 and len(a) == len(values) and (a.dtype.kind == "b" or not types & _BOOL_TYPES):
+    if a is not None and a.ndim == 1 and len(a) == len(values) \
+            and (a.dtype.kind == "b" or types.isdisjoint(_LEAF_BOOLS)):
         if a.dtype.kind == "i":
             return a.astype(np.int64, copy=False)
         if a.dtype.kind == "f":

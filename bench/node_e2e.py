@@ -26,10 +26,13 @@ import tempfile
 import time
 import urllib.request
 
-SERIES = ("gpudiag_gpu_utilization_ratio", "gpudiag_gpu_memory_used_bytes", "gpudiag_gpu_power_watts",
-          "gpudiag_process_gpu_memory_bytes", "gpudiag_process_torch_allocated_bytes",
-          "gpudiag_process_torch_reserved_bytes", "gpudiag_engine_batch_size", "gpudiag_engine_kv_used_bytes",
-          "gpudiag_agent_probe_errors_total")
+from gpudiag.catalog import CATALOG, M  # noqa: E402
+
+# The series printed: the GPU (NVML), the engine process's memory colours, the engine, the agent.
+SERIES = tuple(CATALOG[c].name for c in (
+    M.gpu_utilization_ratio, M.gpu_memory_used_bytes, M.gpu_power_watts, M.process_gpu_memory_bytes,
+    M.process_torch_allocated_bytes, M.process_torch_reserved_bytes, M.engine_batch_size, M.engine_kv_used_bytes,
+    M.agent_probe_errors_total))
 
 
 def _get(url: str, timeout: float = 5.0) -> str:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from gpudiag.catalog import CATALOG, M
+
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "bench_agent.py"
 NODE_E2E = Path(__file__).resolve().parent.parent / "bench" / "node_e2e.py"
 
@@ -47,7 +49,24 @@ def test_the_node_benchmark_serves_on_the_cpu_and_the_agent_exports_the_engines_
     res = json.loads(out.read_text())
     assert res["requests_ok"] > 0 and res["request_errors"] == 0
     # The engine's allocator figures reach the agent through the runtime directory it was given.
-    assert res["series"]["gpudiag_process_torch_allocated_bytes"]
-    assert res["series"]["gpudiag_engine_batch_size"]
+    assert res["series"][CATALOG[M.process_torch_allocated_bytes].name]
+    assert res["series"][CATALOG[M.engine_batch_size].name]
     assert res["agent_rc"] == 0 and res["engine_rc"] == 0 and res["engine_log_tracebacks"] == 0
     assert res["investigate_rc"] == 0 and res["top_rc"] == 0
+
+
+@pytest.mark.parametrize("busy,message", [("engine", "the engine did not come up"),
+                                          ("agent", "the agent did not come up")])
+def test_the_node_benchmark_says_in_one_line_which_part_did_not_come_up(busy, message):
+    # The port of one part is taken: that part exits, and the benchmark says so and stops the other.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        ports = {"engine": port, "agent": str(_free_port())} if busy == "engine" \
+            else {"engine": str(_free_port()), "agent": port}
+        got = subprocess.run([sys.executable, str(NODE_E2E), "--device", "cpu", "--engine-port", ports["engine"],
+                              "--agent-port", ports["agent"]], capture_output=True, text=True, timeout=600)
+    assert got.returncode == 1
+    assert got.stderr.strip().splitlines()[-1] == f"node_e2e: {message}"
+    assert "Traceback" not in got.stderr  # each part refused its port in one line too
