@@ -121,6 +121,10 @@ DEFAULT_MAX_PENDING_BYTES = 32 * 1024**2
 # Unflushed frames are encoded early past this many rows, so a caller that stops
 # flushing cannot grow the buffer of Python dicts without bound.
 MAX_UNENCODED_ROWS = 20_000
+# While the writer is busy (a write waiting on the disk or another process' lock), frames wait
+# unencoded; past this many rows (minutes of a busy node, tens of MB of dicts) the oldest are
+# dropped and counted, so a writer hung for good cannot take the agent's memory with it.
+MAX_WAITING_ROWS = 4 * MAX_UNENCODED_ROWS
 # Retention is checked from flush() at most this often (wall clock).
 RETENTION_CHECK_INTERVAL_S = 60.0
 # A store that could not be opened for writing is retried at most this often.
@@ -2323,7 +2327,12 @@ class Store:
         self.max_pending_bytes = int(max_pending_bytes)
         self._conn: sqlite3.Connection | None = None
         self._lock_fd: int | None = None
+        # Two locks: _mutex serializes the writer (the connection, the backlog, seals, retention),
+        # which may wait seconds on the disk or on another process' write lock (busy timeout);
+        # _buffer guards only what append and upsert_finding hand over, so the threads that hand
+        # frames over (the agent's probes, under its ingest lock) never wait for a write.
         self._mutex = threading.RLock()
+        self._buffer = threading.Lock()
         self._unencoded: list[Frame] = []
         self._unencoded_rows = 0
         self._backlog: deque[_Chunk] = deque()
@@ -2554,12 +2563,24 @@ class Store:
     def append(self, frames: Iterable[Frame]) -> None:
         """Buffer frames for the next :meth:`flush` (nothing touches the disk here)."""
         self._need_writer()
-        with self._mutex:
+        with self._buffer:
             for fr in frames:
                 self._unencoded.append(fr)
                 self._unencoded_rows += len(fr.rows)
-            if self._unencoded_rows > MAX_UNENCODED_ROWS:
+            over = self._unencoded_rows > MAX_UNENCODED_ROWS
+            if self._unencoded_rows > MAX_WAITING_ROWS:
+                # The writer has been stuck for minutes (a hung disk): keep the newest rows.
+                while self._unencoded_rows > MAX_WAITING_ROWS and len(self._unencoded) > 1:
+                    dropped = self._unencoded.pop(0)
+                    self._unencoded_rows -= len(dropped.rows)
+                    self._dropped_rows += len(dropped.rows)
+        # Rows beyond MAX_UNENCODED_ROWS are encoded here (compact in the backlog) unless the
+        # writer is busy: then the flush that holds it takes them when it is done.
+        if over and self._mutex.acquire(blocking=False):
+            try:
                 self._encode_unencoded()
+            finally:
+                self._mutex.release()
 
     def upsert_finding(self, finding) -> None:
         """Record a finding (a Finding or a dict in its JSON form), replacing one with the same id.
@@ -2577,15 +2598,17 @@ class Store:
         for key in ("id", "kind", "severity", "start_s"):
             if d.get(key) is None:
                 raise ValueError(f"finding without {key!r}: {d!r}")
-        with self._mutex:
+        with self._buffer:
             self._pending_findings[str(d["id"])] = d
 
     def _encode_unencoded(self) -> None:
+        """Encode the frames handed over so far into the backlog (the caller holds the writer's lock)."""
+        with self._buffer:
+            frames, self._unencoded, self._unencoded_rows = self._unencoded, [], 0
         by_kind: dict[str, list[Frame]] = {}
-        for fr in self._unencoded:
+        for fr in frames:
             if fr.rows:
                 by_kind.setdefault(fr.kind, []).append(fr)
-        self._unencoded, self._unencoded_rows = [], 0
         for kind, frames in by_kind.items():
             n, columns = _columns_from_frames(frames)
             ts = columns["t"]
@@ -2596,7 +2619,8 @@ class Store:
         while self._backlog_bytes > self.max_pending_bytes and self._backlog:
             dropped = self._backlog.popleft()
             self._backlog_bytes -= len(dropped.block)
-            self._dropped_rows += dropped.n_rows
+            with self._buffer:
+                self._dropped_rows += dropped.n_rows
 
     def flush(self) -> int:
         """Write everything buffered in one transaction; return the rows written (0 on failure).
@@ -2624,7 +2648,8 @@ class Store:
             started = time.perf_counter()
             conn = self._conn
             chunks = list(self._backlog)
-            findings = list(self._pending_findings.values())
+            with self._buffer:
+                findings = list(self._pending_findings.values())
             rowids = []
             try:
                 conn.execute("BEGIN IMMEDIATE")
@@ -2658,9 +2683,10 @@ class Store:
                 old, new = self._oldest_fresh.get(c.kind), self._newest.get(c.kind)
                 self._oldest_fresh[c.kind] = c.t_start if old is None else min(old, c.t_start)
                 self._newest[c.kind] = c.t_end if new is None else max(new, c.t_end)
-            for d in findings:
-                if self._pending_findings.get(str(d["id"])) is d:
-                    del self._pending_findings[str(d["id"])]
+            with self._buffer:
+                for d in findings:
+                    if self._pending_findings.get(str(d["id"])) is d:
+                        del self._pending_findings[str(d["id"])]
             self._recovered()
             written = sum(c.n_rows for c in chunks)
             try:
@@ -2931,7 +2957,9 @@ class Store:
         rows = self._query(sql, params) if "findings" in self._kind_tables() else []
         by_id = {d["id"]: d for d in (json.loads(r[0]) for r in rows)}
         if not self.readonly:
-            for d in list(self._pending_findings.values()):
+            with self._buffer:
+                pending = list(self._pending_findings.values())
+            for d in pending:
                 if d["start_s"] <= end_s and (d.get("end_s") is None or d["end_s"] >= start_s) \
                         and (gpu is None or d.get("gpu") == gpu):
                     by_id[d["id"]] = d

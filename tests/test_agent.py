@@ -333,6 +333,52 @@ def test_a_failing_or_stuck_probe_never_stalls_the_others(tmp_path):
         assert len(store.window(lo, hi, kinds=["gpu"]).table("gpu")) >= 20
 
 
+class TickProbe(CountingProbe):
+    """A GPU row whose utilization is the tick count over a million: which tick the exporter serves."""
+
+    def sample(self, now):
+        self.ticks += 1
+        return [Frame("gpu", now, [{"gpu": 0, "uuid": "GPU-x", M.gpu_utilization_ratio: self.ticks / 1e6}])]
+
+
+def test_a_store_write_that_waits_never_holds_up_the_probes_or_the_live_metrics(tmp_path):
+    """Another process holds the store's write lock (an operator's sqlite3 shell, a backup): the
+    agent's flush waits for it, while the probes go on ticking and the exporter's rows stay fresh;
+    once the lock is let go, the seconds sampled meanwhile reach the store."""
+    good = TickProbe()
+    path = tmp_path / "s.db"
+    cfg = AgentConfig().with_overrides({"store.path": str(path)})
+    agent = Agent(cfg, probes=[("good", good, 0.05)], serve_metrics=False).start()
+    other = None
+    try:
+        wait_for(lambda: good.ticks >= 5, 30, "the first ticks")
+        agent.flush()
+        other = sqlite3.connect(str(path), isolation_level=None, timeout=0)
+        other.execute("BEGIN IMMEDIATE")  # the write lock, until ROLLBACK
+        time.sleep(0.2)  # frames to write
+        flusher = threading.Thread(target=agent.flush, daemon=True)
+        flusher.start()  # waits on the lock (the store's busy timeout)
+        time.sleep(0.3)
+        assert flusher.is_alive(), "the flush did not wait for the lock"
+        held_from, ticks_before = time.time(), good.ticks
+        time.sleep(1.5)
+        ticks_during = good.ticks - ticks_before
+        served = agent.latest.snapshot().rows["gpu"][0][M.gpu_utilization_ratio]
+        assert flusher.is_alive()
+        other.execute("ROLLBACK")
+        flusher.join(10)
+        agent.flush()
+    finally:
+        if other is not None:
+            other.close()
+        agent.stop()
+    assert ticks_during >= 10, f"the probe ticked {ticks_during} times in 1.5 s while the store waited"
+    assert served >= (ticks_before + 10) / 1e6, "the exporter served rows from before the store began to wait"
+    with Store.open(str(path), readonly=True) as store:
+        t = store.window(held_from, held_from + 1.5, kinds=["gpu"]).table("gpu")["t"]
+        assert len(t) >= 10, "the seconds sampled while the store waited did not reach it"
+
+
 class SlowProbe(Probe):
     """Each tick takes ``tick_s`` of wall time; the first ``first_s`` (a probe's setup, like eBPF's compile)."""
 

@@ -1107,6 +1107,46 @@ def test_readers_never_block_the_writer_and_read_a_consistent_snapshot(tmp_path)
 # --- full disk, read-only store ---------------------------------------------------------------
 
 
+def test_frames_handed_over_while_a_write_waits_never_wait_and_stay_bounded(tmp_path, monkeypatch):
+    """Another process holds the write lock: the flush waits for it (busy timeout), while append
+    takes frames at once; past MAX_WAITING_ROWS the oldest are dropped and counted; after the lock
+    is let go, the newest rows are written."""
+    import threading
+
+    from gpudiag.agent import store as store_module
+
+    monkeypatch.setattr(store_module, "MAX_UNENCODED_ROWS", 100)
+    monkeypatch.setattr(store_module, "MAX_WAITING_ROWS", 400)
+    path = str(tmp_path / "node.db")
+    store = Store.open(path)
+
+    def one(tick):
+        return [Frame("gpu", T0 + tick, [{"gpu": g, M.gpu_utilization_ratio: 0.5} for g in range(50)])]
+
+    store.append(one(0))
+    assert store.flush() == 50
+    other = sqlite3.connect(path, isolation_level=None, timeout=0)
+    other.execute("BEGIN IMMEDIATE")
+    store.append(one(1))
+    flusher = threading.Thread(target=store.flush, daemon=True)
+    flusher.start()
+    flusher.join(0.3)
+    assert flusher.is_alive(), "the flush did not wait for the lock"
+    for tick in range(2, 22):  # 1000 rows while the writer waits
+        store.append(one(tick))
+    assert flusher.is_alive(), "append waited for the writer"
+    other.execute("ROLLBACK")
+    other.close()
+    flusher.join(10)
+    health = store.health()
+    assert health["dropped_rows_total"] == 1000 - 400
+    assert store.flush() == 400
+    store.close()
+    with Store.open(path, readonly=True) as reader:
+        ticks = sorted({int(t - T0) for t in reader.window(-math.inf, math.inf).table("gpu")["t"]})
+    assert ticks == [0, 1] + list(range(14, 22))  # the flush that waited wrote tick 1; the newest 400 rows kept
+
+
 def test_a_full_disk_is_logged_once_counted_buffered_and_written_after_recovery(tmp_path, caplog):
     path = str(tmp_path / "node.db")
     store = Store.open(path, max_pending_bytes=60_000)
