@@ -564,7 +564,13 @@ class _Handler(BaseHTTPRequestHandler):
                 # Every Prometheus accepts the text format; it is served whenever the client
                 # takes it, because it is the one encoded without per-sample validation.
                 encoder, content_type = encode_text, _TEXT_CONTENT_TYPE
-            body = encoder(srv.registry)
+            try:
+                body = encoder(srv.registry)
+            except Exception as exc:  # noqa: BLE001 - a collector bug: the scraper gets a 500, the log one line
+                log.error("collecting /metrics failed: %s: %s", type(exc).__name__, exc)
+                self._send(500, b"collecting the metrics failed; the agent's log says why\n",
+                           "text/plain; charset=utf-8")
+                return
             extra = {}
             if "gzip" in self.headers.get("Accept-Encoding", ""):
                 body = gzip.compress(body, compresslevel=1)  # level 1: a third of the bytes, for ~1 ms
@@ -627,7 +633,18 @@ class _MetricsHTTPServer(ThreadingHTTPServer):
 
     def handle_error(self, request, client_address):
         # Called from socketserver's own except block: the exception is the current one.
-        log.debug("scrape from %s failed: %r", client_address, sys.exc_info()[1])
+        log_request_failure(log, client_address, sys.exc_info()[1])
+
+
+def log_request_failure(logger: logging.Logger, client_address, exc: BaseException | None) -> None:
+    """A request an HTTP server here could not answer, in its log: a client that hung up early
+    (a scraper past its timeout resets the connection) at debug level, for it is routine;
+    anything else, a bug, as one error line (socketserver's default prints a traceback)."""
+    host = client_address[0] if isinstance(client_address, tuple) and client_address else client_address
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        logger.debug("client %s went away: %r", host, exc)
+    else:
+        logger.error("request from %s failed: %s: %s", host, type(exc).__name__, exc)
 
 
 class MetricsServer:

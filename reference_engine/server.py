@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from gpudiag.agent.prom_exporter import LatestFrames, encode_text, registry_for
+from gpudiag.agent.prom_exporter import LatestFrames, encode_text, log_request_failure, registry_for
 from gpudiag.catalog import M
 from gpudiag.errors import GpudiagError
 from gpudiag.frames import Frame
@@ -163,13 +163,8 @@ class _HTTPServer(ThreadingHTTPServer):
     request_queue_size = 1024
 
     def handle_error(self, request, client_address):
-        # Called from socketserver's own except block: the exception is the current one. A client
-        # that hangs up early (a scraper past its timeout) is routine; anything else is one line.
-        exc = sys.exc_info()[1]
-        if isinstance(exc, (ConnectionError, TimeoutError)):
-            log.debug("client %s:%s went away: %r", *client_address[:2], exc)
-        else:
-            log.error("request from %s failed: %s: %s", client_address[0], type(exc).__name__, exc)
+        # Called from socketserver's own except block: the exception is the current one.
+        log_request_failure(log, client_address, sys.exc_info()[1])
 
 
 class EngineServer:

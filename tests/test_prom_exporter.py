@@ -439,3 +439,57 @@ def test_an_idle_endpoint_sleeps_until_a_client_comes_and_close_wakes_it(monkeyp
     assert not server._thread.is_alive()
     with socket.socket() as s:  # the port is free again
         s.bind((server.host, server.port))
+
+
+class _BrokenCollector:
+    """A collector with a bug: collect() raises."""
+
+    def collect(self):
+        raise RuntimeError("a row the collector cannot read")
+
+
+def test_a_collector_bug_is_a_500_and_one_error_line_and_the_endpoint_keeps_serving(caplog):
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_BrokenCollector())
+    server = serve(registry, port=0)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="gpudiag.agent.prom_exporter"):
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(server.url, timeout=5)
+            assert err.value.code == 500
+            assert b"log says why" in err.value.read()
+            with urllib.request.urlopen(server.url.replace("/metrics", "/healthz"), timeout=5) as resp:
+                assert resp.status == 200
+    finally:
+        server.close()
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == ["collecting /metrics failed: RuntimeError: a row the collector cannot read"]
+    assert not any(r.exc_info for r in caplog.records)
+
+
+def test_a_scraper_that_hangs_up_is_a_debug_line_and_a_handler_failure_one_error_line(served, caplog,
+                                                                                      monkeypatch):
+    import struct
+
+    from gpudiag.agent import prom_exporter
+
+    server = served(latest_with_findings())
+    with caplog.at_level(logging.DEBUG, logger="gpudiag.agent.prom_exporter"):
+        for _ in range(10):  # a scraper past its timeout closes with a reset
+            s = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            s.close()
+        with urllib.request.urlopen(server.url, timeout=5) as resp:
+            assert resp.status == 200  # still serving
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        # A failure outside the collector (here: answering) is a bug: one error line, no traceback.
+        monkeypatch.setattr(prom_exporter._Handler, "_send",
+                            lambda *a, **k: (_ for _ in ()).throw(ValueError("cannot answer")))
+        with pytest.raises((urllib.error.URLError, http.client.HTTPException, ConnectionError)):
+            urllib.request.urlopen(server.url, timeout=5)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert [r.getMessage() for r in errors] == ["request from 127.0.0.1 failed: ValueError: cannot answer"]
+    assert not any(r.exc_info for r in errors)
