@@ -70,3 +70,24 @@ def test_the_node_benchmark_says_in_one_line_which_part_did_not_come_up(busy, me
     assert got.returncode == 1
     assert got.stderr.strip().splitlines()[-1] == f"node_e2e: {message}"
     assert "Traceback" not in got.stderr  # each part refused its port in one line too
+
+
+def test_the_agent_benchmarks_peak_rss_counts_a_moment_its_samples_miss():
+    import importlib.util
+
+    import numpy as np
+
+    spec = importlib.util.spec_from_file_location("bench_agent_for_test", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    assert bench.reset_peak_rss(), "this kernel lets a process reset its VmHWM (/proc/self/clear_refs)"
+    before = bench.rss_bytes()
+    burst = np.ones(64 * 1024**2 // 8)  # 64 MiB, touched, then freed: between any two samples
+    del burst
+    peak = bench.peak_rss_bytes()
+    assert peak is not None and peak - before >= 60 * 1024**2
+    assert bench.rss_bytes() < peak - 48 * 1024**2  # gone again: a sample now would not see it
