@@ -62,6 +62,48 @@ def test_an_unknown_feature_is_one_error_line(cli):
         "gpudiag: error: unknown feature quantum: choose from nvml, cuda, torch, ebpf"]
 
 
+@pytest.mark.parametrize("mode", ["off", "auto", "on"])
+def test_with_the_agents_config_the_ebpf_checks_follow_its_probes_ebpf(cli, tmp_path, mode):
+    config = tmp_path / "agent.toml"
+    config.write_text(f'[probes]\nebpf = "{mode}"\n')
+    proc = cli("doctor", "--config", config, "--json")
+    result = json.loads(proc.stdout)
+    assert result["agent_config"] == {"path": str(config), "probes.ebpf": mode}
+    ebpf = [c for c in result["checks"] if c["feature"] == "ebpf"]
+    if mode == "off":  # the agent will not use them: not checked, not counted
+        assert "ebpf" not in result["features"] and not ebpf
+    elif mode == "auto":  # the agent runs without them: said, but optional
+        assert "ebpf" in result["features"] and ebpf  # this node is root (CI runs as root)
+        assert not any(c["required"] for c in ebpf)
+    else:  # the agent logs an error without them: required as the checks themselves say, root or not
+        assert "ebpf" in result["features"]
+        assert {c["name"]: c["required"] for c in ebpf} == {c["name"]: c["required"] for c in doctor.ebpf_checks()}
+        assert any(c["required"] for c in ebpf)
+    required = [c for c in result["checks"] if c["required"] and c["feature"] in result["features"]]
+    assert result["ok"] == all(c["status"] == "ok" for c in required)
+    assert proc.returncode == (0 if result["ok"] else 1), proc.stderr
+
+
+def test_an_explicit_feature_wins_over_the_agents_config(cli, tmp_path):
+    config = tmp_path / "agent.toml"
+    config.write_text('[probes]\nebpf = "off"\n')
+    result = json.loads(cli("doctor", "--config", config, "--feature", "ebpf", "--json").stdout)
+    assert result["features"] == ["ebpf"]
+    ebpf = {c["name"]: c["required"] for c in result["checks"] if c["feature"] == "ebpf"}
+    assert ebpf == {c["name"]: c["required"] for c in doctor.ebpf_checks()} and any(ebpf.values())
+
+
+def test_a_bad_agent_config_is_one_error_line_naming_the_key(cli, tmp_path):
+    config = tmp_path / "agent.toml"
+    config.write_text('[probes]\nebpf = "sometimes"\n')
+    proc = cli("doctor", "--config", config)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert "probes.ebpf" in line and "sometimes" in line
+    missing = cli("doctor", "--config", tmp_path / "nope.toml")
+    assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
+
+
 # --- versions ----------------------------------------------------------------------------
 
 

@@ -10,7 +10,8 @@ Features: ``nvml`` (GPU counters, per-process memory, PID mapping), ``cuda``
 (driver's CUDA version against every CUDA runtime found), ``torch`` (the
 in-process reporter), ``ebpf`` (the CUDA API probes). By default the features
 the node has are checked; the exit code is 0 when every required check of
-the chosen features is ok, 1 otherwise.
+the chosen features is ok, 1 otherwise. With the agent's ``--config``, the
+eBPF checks follow its ``probes.ebpf``: left out when off, optional when auto.
 """
 
 from __future__ import annotations
@@ -313,13 +314,25 @@ def default_features(facts: dict[str, Any]) -> list[str]:
     return out
 
 
-def run_checks(features: list[str] | None = None) -> dict[str, Any]:
-    """Run the checks of ``features`` (None: the node's); returns {"features", "checks", "ok"}."""
+def run_checks(features: list[str] | None = None, *, ebpf_mode: str | None = None) -> dict[str, Any]:
+    """Run the checks of ``features`` (None: the node's); returns {"features", "checks", "ok"}.
+
+    ``ebpf_mode`` is the agent's ``probes.ebpf`` (``--config``): where the features are the
+    node's, "off" leaves the eBPF checks out, "auto" makes them optional (the agent runs
+    without the CUDA API probes then) and "on" requires them, root or not.
+    """
     unknown = [f for f in features or () if f not in FEATURES]
     if unknown:
         raise GpudiagError(f"unknown feature {', '.join(unknown)}: choose from {', '.join(FEATURES)}")
     facts = nvml_facts()
     chosen = list(dict.fromkeys(features)) if features else default_features(facts)
+    ebpf_optional = False
+    if not features and ebpf_mode is not None:
+        if ebpf_mode == "off":
+            chosen = [f for f in chosen if f != "ebpf"]
+        elif ebpf_mode == "on" and "ebpf" not in chosen:
+            chosen.append("ebpf")
+        ebpf_optional = ebpf_mode == "auto"
     checks: list[dict] = []
     if "nvml" in chosen:
         checks += nvml_checks(facts)
@@ -331,7 +344,7 @@ def run_checks(features: list[str] | None = None) -> dict[str, Any]:
     if "torch" in chosen:
         checks += torch_checks(bool(facts.get("available")))
     if "ebpf" in chosen:
-        checks += ebpf_checks()
+        checks += [dict(c, required=False) if ebpf_optional else c for c in ebpf_checks()]
     ok = all(c["status"] == OK for c in checks if c["required"] and c["feature"] in chosen)
     return {"features": chosen, "checks": checks, "ok": ok}
 
@@ -347,15 +360,28 @@ def register(app: typer.Typer) -> None:
         feature: Annotated[list[str] | None, typer.Option(
             "--feature", "-f", metavar="FEATURE", help=f"Check this feature ({', '.join(FEATURES)}); repeatable. "
                                     "Default: the features this node has.")] = None,
+        config: Annotated[str | None, typer.Option(
+            "--config", metavar="FILE",
+            help="The agent's config file: check the features it uses "
+                 "(probes.ebpf off: no eBPF checks; auto: optional; on: required).")] = None,
         json_out: Annotated[bool, typer.Option("--json", help="Print one JSON document.")] = False,
     ) -> None:
         """Check what gpudiag needs on this node: each check ok / missing / wrong, with the fix."""
-        result = run_checks([f.strip().lower() for f in feature or ()] or None)
+        ebpf_mode = None
+        if config is not None:
+            from gpudiag.agent.config import load
+
+            ebpf_mode = load(config).get("probes.ebpf")
+        result = run_checks([f.strip().lower() for f in feature or ()] or None, ebpf_mode=ebpf_mode)
+        if config is not None:
+            result["agent_config"] = {"path": config, "probes.ebpf": ebpf_mode}
         if json_out:
             sys.stdout.write(json.dumps(result, indent=1) + "\n")
         else:
             console = Console()
             console.print(Text(f"gpudiag doctor: {', '.join(result['features']) or 'no feature'}", style="bold"))
+            if ebpf_mode is not None:
+                console.print(Text(f"agent config {config}: probes.ebpf = {ebpf_mode}", style="dim"))
             for c in result["checks"]:
                 line = Text(f"{c['status']:<8}", style=_STYLE[c["status"]])
                 line.append(f"{c['feature']}: {c['name']}", style="bold")
