@@ -1246,13 +1246,17 @@ class TableBuffer:
         """New arrays of ``cap`` rows with the kept rows at the front."""
         start, stop = self._start, self._stop
         live = stop - start
-        for name, buf in list(self._cols.items()):
+        # One column at a time, each old array let go as its new one takes its place: holding
+        # them all (a list of the items) until the end doubled the buffer's memory for a moment.
+        for name in list(self._cols):
+            buf = self._cols[name]
             if isinstance(buf, _DictBuffer):
                 self._cols[name] = buf.moved(cap, start, stop)
             else:
                 new = np.empty(cap, dtype=buf.dtype)
                 new[:live] = buf[start:stop]
                 self._cols[name] = new
+            del buf
         for index in self._indexes.values():
             index.shift(start)
         self._version = next(_STATES)
