@@ -640,7 +640,7 @@ def log_request_failure(logger: logging.Logger, client_address, exc: BaseExcepti
     """A request an HTTP server here could not answer, in its log: a client that hung up early
     (a scraper past its timeout resets the connection) at debug level, for it is routine;
     anything else, a bug, as one error line (socketserver's default prints a traceback)."""
-    host = client_address[0] if isinstance(client_address, tuple) and client_address else client_address
+    host = client_address[0]  # (host, port): these servers listen on TCP
     if isinstance(exc, (ConnectionError, TimeoutError)):
         logger.debug("client %s went away: %r", host, exc)
     else:

@@ -2570,10 +2570,13 @@ class Store:
             over = self._unencoded_rows > MAX_UNENCODED_ROWS
             if self._unencoded_rows > MAX_WAITING_ROWS:
                 # The writer has been stuck for minutes (a hung disk): keep the newest rows.
-                while self._unencoded_rows > MAX_WAITING_ROWS and len(self._unencoded) > 1:
-                    dropped = self._unencoded.pop(0)
-                    self._unencoded_rows -= len(dropped.rows)
-                    self._dropped_rows += len(dropped.rows)
+                cut, rows = 0, self._unencoded_rows
+                while rows > MAX_WAITING_ROWS and cut < len(self._unencoded) - 1:
+                    rows -= len(self._unencoded[cut].rows)
+                    cut += 1
+                del self._unencoded[:cut]
+                self._dropped_rows += self._unencoded_rows - rows
+                self._unencoded_rows = rows
         # Rows beyond MAX_UNENCODED_ROWS are encoded here (compact in the backlog) unless the
         # writer is busy: then the flush that holds it takes them when it is done.
         if over and self._mutex.acquire(blocking=False):

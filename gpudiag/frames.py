@@ -1256,7 +1256,6 @@ class TableBuffer:
                 new = np.empty(cap, dtype=buf.dtype)
                 new[:live] = buf[start:stop]
                 self._cols[name] = new
-            del buf
         for index in self._indexes.values():
             index.shift(start)
         self._version = next(_STATES)
