@@ -2781,15 +2781,21 @@ class Store:
             for _, members in sorted(groups.items()):
                 if seals >= MAX_SEALS_PER_FLUSH and not final:
                     break
-                n, columns = _concat_columns(self._fresh_columns(t, twins, members))
-                ts = columns["t"]
-                block = encode_block(columns, n, sealed=True)
+                blocks, damaged = self._fresh_columns(t, twins, members)
+                n, columns = _concat_columns(blocks) if blocks else (0, {})
+                block = encode_block(columns, n, sealed=True) if n else None
                 conn.execute("BEGIN IMMEDIATE")
                 try:
-                    conn.executemany(f"DELETE FROM {t} WHERE rowid = ?", [(rowid,) for rowid in members])
-                    conn.execute(f"INSERT INTO {t} (t_start, t_end, node, n_rows, sealed, data)"
-                                 " VALUES (?, ?, ?, ?, 1, ?)",
-                                 (float(ts.min()), float(ts.max()), _uniform_node(columns), n, block))
+                    # A damaged chunk stays as it is (a read of its rows says it is damaged), marked
+                    # sealed so that no later seal tries it again.
+                    conn.executemany(f"UPDATE {t} SET sealed = 1 WHERE rowid = ?", [(rowid,) for rowid in damaged])
+                    conn.executemany(f"DELETE FROM {t} WHERE rowid = ?",
+                                     [(rowid,) for rowid in members if rowid not in damaged])
+                    if block is not None:
+                        ts = columns["t"]
+                        conn.execute(f"INSERT INTO {t} (t_start, t_end, node, n_rows, sealed, data)"
+                                     " VALUES (?, ?, ?, ?, 1, ?)",
+                                     (float(ts.min()), float(ts.max()), _uniform_node(columns), n, block))
                     conn.execute("COMMIT")
                 except BaseException:
                     self._rollback()
@@ -2799,8 +2805,9 @@ class Store:
             if seals >= MAX_SEALS_PER_FLUSH and not final:
                 return
 
-    def _fresh_columns(self, table: str, twins: dict, rowids: list[int]) -> list[tuple[int, dict]]:
-        """The raw, flattened columns of fresh chunks: their twins where kept (taken), else decoded.
+    def _fresh_columns(self, table: str, twins: dict, rowids: list[int]) -> tuple[list[tuple[int, dict]], list[int]]:
+        """The raw, flattened columns of fresh chunks (their twins where kept, taken, else decoded),
+        and the chunks among them too damaged to read.
 
         A number column every twin left in its block (of one dtype) is read from the blocks straight
         into one joined array, the same object in every chunk's columns (see _concat_columns).
@@ -2814,25 +2821,39 @@ class Store:
                 if isinstance(ref, _InBlock) and all(
                         isinstance(c.get(name), _InBlock) and c[name].dtype == ref.dtype for c in refs):
                     joined[name] = _Joined(np.empty(total, dtype=ref.dtype))
-        out, pos = [], 0
+        out, damaged, pos = [], [], 0
         for i in range(0, len(rowids), 100):  # SQLite's bound-parameter limit; a hundred blocks at a time
             part = rowids[i:i + 100]
             data = dict(self._conn.execute(f"SELECT rowid, data FROM {table} WHERE rowid IN"
                                            f" ({','.join('?' * len(part))})", part).fetchall())
             for r in part:
-                if r not in kept:
-                    out.append(_flattened(decode_block(data[r], raw=True)))
+                try:
+                    if r not in kept:
+                        out.append(_flattened(decode_block(data[r], raw=True)))
+                        continue
+                    _, n, cols = kept.pop(r)
+                    numbers = {name: ref.read(data[r]) for name, ref in cols.items() if isinstance(ref, _InBlock)}
+                    if any(len(a) != n for a in numbers.values()):
+                        raise ValueError("a number column's frame holds the wrong row count")
+                except (*_DAMAGED_BLOCK_ERRORS, ValueError, KeyError, struct.error) as exc:
+                    log.warning("store %s: fresh chunk %s of %s is damaged (%s: %s); it is kept as it is and"
+                                " left out of its interval's sealed chunk", self.path, r, table,
+                                type(exc).__name__, exc)
+                    self._count("damaged")
+                    damaged.append(r)
                     continue
-                _, n, cols = kept.pop(r)
-                for name, ref in cols.items():
+                for name, a in numbers.items():
                     if name in joined:
-                        joined[name].array[pos:pos + n] = ref.read(data[r])
+                        joined[name].array[pos:pos + n] = a
                         cols[name] = joined[name]
-                    elif isinstance(ref, _InBlock):
-                        cols[name] = ref.read(data[r]).copy()
+                    else:
+                        cols[name] = a.copy()
                 out.append((n, cols))
                 pos += n
-        return out
+        if damaged:
+            for j in joined.values():
+                j.array = j.array[:pos]
+        return out, damaged
 
     def enforce_retention(self, now_s: float | None = None) -> int:
         """Delete chunks older than ``retention_s`` (before ``now_s``, default the newest frame),

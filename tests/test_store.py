@@ -259,6 +259,40 @@ def test_the_twins_kept_for_a_seal_hold_no_number_columns_values(tmp_path):
     assert sorted(set(table["pid"].tolist())) == list(range(1000, 1128))
 
 
+def test_a_fresh_chunk_damaged_on_disk_is_kept_as_it_is_and_the_rest_of_its_interval_is_sealed(tmp_path, caplog):
+    # The seal reads the number columns of every fresh chunk back from the file. A chunk damaged
+    # there (a torn write, a disk error) must neither stop the seal, again every second, nor be
+    # deleted: its interval is sealed without it, it stays as it was, logged and counted once.
+    from gpudiag.agent import store as store_module
+
+    path = str(tmp_path / "node.db")
+    with Store.open(path, chunk_s=30) as store:
+        _write_varied(store, range(10))
+        conn = sqlite3.connect(path)
+        rowid, data = conn.execute("SELECT rowid, data FROM frames_process WHERE t_start = ?", (T0 + 5,)).fetchone()
+        header, frames = store_module._zstd_frames(data)
+        names = [m["name"] for m in header["columns"]]
+        at, _ = frames[len(frames) - len(names) + names.index(M.process_cpu_utilization_ratio)]
+        broken = data[:at] + b"\0\0\0\0" + data[at + 4:]  # that number column's frame is no zstd frame
+        conn.execute("UPDATE frames_process SET data = ? WHERE rowid = ?", (broken, rowid))
+        conn.commit()
+        with caplog.at_level("WARNING", logger="gpudiag.agent.store"):
+            _write_varied(store, range(10, 75))  # seals [0, 30) and [30, 60)
+        assert store.health()["store_errors_total"] == {"damaged": 1}
+    damaged = [r for r in caplog.records if "damaged" in r.getMessage()]
+    assert len(damaged) == 1 and f"fresh chunk {rowid} of frames_process" in damaged[0].getMessage()
+    rows = conn.execute("SELECT rowid, t_start, n_rows, sealed, data FROM frames_process ORDER BY t_start").fetchall()
+    conn.close()
+    assert [(r[1] - T0, r[2], r[3]) for r in rows] == [(0, 29 * 6, 1), (5, 6, 1), (30, 180, 1), (60, 90, 1)]
+    assert rows[1][0] == rowid and rows[1][4] == broken  # kept byte for byte
+    _, first = decode_block(rows[0][4])
+    assert sorted(set(first["t"].tolist())) == [T0 + k for k in range(30) if k != 5]
+    assert first["pid"].tolist().count(100) == 29
+    with pytest.raises(GpudiagError, match="damaged chunk"):
+        Store.open(path, readonly=True).window(T0, T0 + 29.9).table("process")
+    assert len(Store.open(path, readonly=True).window(T0 + 30, T0 + 59.9).table("process")) == 180
+
+
 def test_a_flush_that_fails_keeps_no_twins_and_its_chunks_are_sealed_from_the_store(tmp_path):
     path = str(tmp_path / "node.db")
     with Store.open(path, chunk_s=30) as store:
