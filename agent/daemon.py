@@ -70,6 +70,16 @@ ANALYSIS_WAKE_S = 1.0
 # report (kv_eviction_storm MIN_DURATION_S).
 SIM_LEAD_S = 60.0
 FLUSH_INTERVAL_S = 1.0
+# An analysis and a seal each hold 13-15 MB of temporary arrays for a moment (8 GPUs x 16
+# processes); at once they would add up, on top of everything else the agent holds. So a flush
+# leaves its seal to the next second while an analysis runs, and an analysis waits for a running
+# flush (its seal: ~0.35 s) at most this long, so that a write stuck on the disk never holds
+# the findings up for longer.
+HEAVY_WAIT_S = 2.0
+# After deferring its seal this many times in a row (analyses back to back under a fast --sim),
+# a flush waits for the running analysis to end (at most HEAVY_WAIT_S) and seals: fresh chunks
+# left unsealed hold their twins in memory.
+MAX_SEALS_DEFERRED = 5
 # Keys the in-memory window leaves out of its rows: the probe's state (not the timeline), and
 # columns no streaming analyzer reads (tests check that no analyzer names them and that every
 # scenario's findings stay the same without them). The window holds
@@ -558,6 +568,8 @@ class Agent:
         self.opened_by_kind: dict[str, int] = {}
         self._sim_probe: SimTimeline | None = None
         self._memory = MemoryKeeper()
+        self._heavy = threading.Lock()  # held by an analysis, and by a flush that may seal
+        self._seals_deferred = 0
 
     # -- wiring ------------------------------------------------------------------------------
     def _open_probes(self) -> list[ProbeSlot]:
@@ -727,10 +739,17 @@ class Agent:
 
     def flush(self) -> None:
         """Write the store and refresh the self-metrics (every second; once more at stop)."""
+        seal = self._heavy.acquire(blocking=False)
+        if not seal and self._seals_deferred >= MAX_SEALS_DEFERRED:
+            seal = self._heavy.acquire(timeout=HEAVY_WAIT_S)
+        self._seals_deferred = 0 if seal else self._seals_deferred + 1
         try:
-            self.store.flush()
+            self.store.flush(seal=seal)
         except Exception as exc:  # noqa: BLE001 - the store logs its own failures; this is a bug guard
             log.error("store flush failed: %s: %s", type(exc).__name__, exc)
+        finally:
+            if seal:
+                self._heavy.release()
         try:
             self.latest.set_agent_rows(self.self_metric_rows())
         except Exception as exc:  # noqa: BLE001
@@ -762,6 +781,14 @@ class Agent:
 
     def analyze_once(self) -> list[Finding]:
         """Run every analyzer over the in-memory window once; log, store and export what changed."""
+        heavy = self._heavy.acquire(timeout=HEAVY_WAIT_S)
+        try:
+            return self._analyze()
+        finally:
+            if heavy:
+                self._heavy.release()
+
+    def _analyze(self) -> list[Finding]:
         from gpudiag.analyzers.registry import HELD_FOR_A_WINDOW, held_arguments, run_streaming
 
         started, started_cpu = time.perf_counter(), time.thread_time()

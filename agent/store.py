@@ -2664,12 +2664,13 @@ class Store:
             with self._buffer:
                 self._dropped_rows += dropped.n_rows
 
-    def flush(self) -> int:
+    def flush(self, *, seal: bool = True) -> int:
         """Write everything buffered in one transaction; return the rows written (0 on failure).
 
         Never raises for a full disk or a read-only store: the failure is logged
         once, counted in :meth:`health`, and the data stays buffered (bounded).
-        Also seals complete intervals and, at most once a minute, applies retention.
+        Also seals complete intervals and, at most once a minute, applies retention;
+        ``seal=False`` leaves both to a later flush.
         """
         self._need_writer()
         with self._mutex:
@@ -2731,6 +2732,9 @@ class Store:
                         del self._pending_findings[str(d["id"])]
             self._recovered()
             written = sum(c.n_rows for c in chunks)
+            if not seal:
+                self._last_flush_s = time.perf_counter() - started
+                return written
             try:
                 self._seal(final=False)
                 if time.monotonic() - self._last_retention >= RETENTION_CHECK_INTERVAL_S:

@@ -379,6 +379,101 @@ def test_a_store_write_that_waits_never_holds_up_the_probes_or_the_live_metrics(
         assert len(t) >= 10, "the seconds sampled while the store waited did not reach it"
 
 
+def _store_rows(agent: Agent, seconds: range) -> None:
+    t0 = 1_767_225_600.0  # a multiple of the store's 300 s seal interval
+    agent.store.append([Frame("gpu", t0 + k, [{"gpu": 0, M.gpu_utilization_ratio: k / 1000}]) for k in seconds])
+
+
+def _sealed(agent: Agent) -> int:
+    return agent.store._conn.execute("SELECT count(*) FROM frames_gpu WHERE sealed = 1").fetchone()[0]
+
+
+def test_a_flush_leaves_its_seal_to_the_next_second_while_an_analysis_runs(tmp_path):
+    """An analysis and a seal each hold their temporaries for a moment; at once they add up, so a
+    flush during an analysis writes its rows but seals after it, and one that has deferred too
+    often waits for the analysis to end."""
+    from gpudiag.agent import daemon
+
+    agent = Agent(AgentConfig().with_overrides({"store.path": str(tmp_path / "s.db")}), probes=[],
+                  serve_metrics=False)
+    running, go_on = threading.Event(), threading.Event()
+
+    def analysis():
+        running.set()
+        go_on.wait(30)
+        return []
+
+    agent._analyze = analysis
+
+    def start_analysis() -> threading.Thread:
+        running.clear()
+        go_on.clear()
+        thread = threading.Thread(target=agent.analyze_once, daemon=True)
+        thread.start()
+        assert running.wait(10)
+        return thread
+
+    try:
+        _store_rows(agent, range(0, 300))
+        agent.flush()
+        analyzer = start_analysis()
+        _store_rows(agent, range(300, 310))  # [0, 300) is complete: this flush may seal it
+        agent.flush()
+        assert _sealed(agent) == 0
+        assert agent.store._conn.execute("SELECT sum(n_rows) FROM frames_gpu").fetchone()[0] == 310  # written
+        go_on.set()
+        analyzer.join(10)
+        _store_rows(agent, range(310, 311))
+        agent.flush()
+        assert _sealed(agent) == 1
+
+        # Deferred MAX_SEALS_DEFERRED times in a row, a flush waits for the analysis to end and seals.
+        _store_rows(agent, range(311, 600))
+        agent.flush()
+        analyzer = start_analysis()
+        for k in range(daemon.MAX_SEALS_DEFERRED):
+            _store_rows(agent, range(600 + k, 601 + k))  # [300, 600) is complete
+            agent.flush()
+        assert _sealed(agent) == 1
+        threading.Timer(0.3, go_on.set).start()
+        started = time.monotonic()
+        _store_rows(agent, range(610, 611))
+        agent.flush()
+        assert 0.2 < time.monotonic() - started < daemon.HEAVY_WAIT_S
+        assert _sealed(agent) == 2
+        analyzer.join(10)
+    finally:
+        go_on.set()
+        agent.stop()
+
+
+def test_an_analysis_waits_for_a_sealing_flush_but_never_longer_than_heavy_wait_s(tmp_path, monkeypatch):
+    from gpudiag.agent import daemon
+
+    agent = Agent(AgentConfig().with_overrides({"store.path": str(tmp_path / "s.db")}), probes=[],
+                  serve_metrics=False)
+    done = threading.Event()
+    try:
+        agent._heavy.acquire()  # a flush that seals
+        analyzer = threading.Thread(target=lambda: (agent.analyze_once(), done.set()), daemon=True)
+        analyzer.start()
+        assert not done.wait(0.3), "the analysis ran during the seal"
+        agent._heavy.release()
+        assert done.wait(10)
+        assert agent.analyses == 1
+
+        # A flush stuck on the disk while it holds the lock: the analysis goes on after HEAVY_WAIT_S.
+        monkeypatch.setattr(daemon, "HEAVY_WAIT_S", 0.2)
+        agent._heavy.acquire()
+        started = time.monotonic()
+        agent.analyze_once()
+        assert 0.15 < time.monotonic() - started < 5
+        assert agent.analyses == 2
+        agent._heavy.release()
+    finally:
+        agent.stop()
+
+
 class SlowProbe(Probe):
     """Each tick takes ``tick_s`` of wall time; the first ``first_s`` (a probe's setup, like eBPF's compile)."""
 
