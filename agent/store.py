@@ -154,7 +154,9 @@ _BLOCK_MAGIC = _ZSTD_MAGIC
 _LEVEL_FRESH, _LEVEL_SEALED = 1, 3
 _ZSTD_COMPRESSORS = threading.local()  # one compression context per thread per level: they are not thread-safe
 _ZSTD_DECOMPRESSORS = threading.local()  # and one decompression context per thread
-_DAMAGED_BLOCK_ERRORS = (zlib.error, zstandard.ZstdError)
+# What reading a damaged block raises: its codec's errors, and a header or a frame that does not
+# add up (a wrong size, a missing key, a short length field).
+_DAMAGED_BLOCK_ERRORS = (zlib.error, zstandard.ZstdError, ValueError, KeyError, struct.error)
 
 
 def _compressor(level: int) -> zstandard.ZstdCompressor:
@@ -1269,8 +1271,8 @@ _STR_OR_NONE = frozenset((str, type(None)))
 
 def _twin_of(a, meta: dict, parts: list[bytes]):
     """What decoding a fresh column of ``meta`` and ``parts`` gives back (raw, flattened): ``a`` itself
-    where that is the same (numbers, strings, dicts of numbers that JSON gives back unchanged, flattened),
-    else the decoder's reading of the parts."""
+    where that is the same (strings, dicts of numbers that JSON gives back unchanged, flattened), else
+    the decoder's reading of the parts. (Raw number columns stay in the block: :class:`_InBlock`.)"""
     if meta["codec"] == "jsonlist":
         values = a.tolist()
         if set(map(type, values)) <= _STR_OR_NONE:
@@ -2732,16 +2734,14 @@ class Store:
                         del self._pending_findings[str(d["id"])]
             self._recovered()
             written = sum(c.n_rows for c in chunks)
-            if not seal:
-                self._last_flush_s = time.perf_counter() - started
-                return written
-            try:
-                self._seal(final=False)
-                if time.monotonic() - self._last_retention >= RETENTION_CHECK_INTERVAL_S:
-                    self.enforce_retention()
-            except sqlite3.Error as exc:  # the frames above are committed; this only delays tidying
-                self._rollback()
-                self._failed(_error_kind(exc), exc, "cannot seal chunks or apply retention")
+            if seal:
+                try:
+                    self._seal(final=False)
+                    if time.monotonic() - self._last_retention >= RETENTION_CHECK_INTERVAL_S:
+                        self.enforce_retention()
+                except sqlite3.Error as exc:  # the frames above are committed; this only delays tidying
+                    self._rollback()
+                    self._failed(_error_kind(exc), exc, "cannot seal chunks or apply retention")
             self._last_flush_s = time.perf_counter() - started
             return written
 
@@ -2839,7 +2839,7 @@ class Store:
                     numbers = {name: ref.read(data[r]) for name, ref in cols.items() if isinstance(ref, _InBlock)}
                     if any(len(a) != n for a in numbers.values()):
                         raise ValueError("a number column's frame holds the wrong row count")
-                except (*_DAMAGED_BLOCK_ERRORS, ValueError, KeyError, struct.error) as exc:
+                except _DAMAGED_BLOCK_ERRORS as exc:
                     log.warning("store %s: fresh chunk %s of %s is damaged (%s: %s); it is kept as it is and"
                                 " left out of its interval's sealed chunk", self.path, r, table,
                                 type(exc).__name__, exc)
@@ -2851,7 +2851,7 @@ class Store:
                         joined[name].array[pos:pos + n] = a
                         cols[name] = joined[name]
                     else:
-                        cols[name] = a.copy()
+                        cols[name] = a  # _concat_columns copies it into the joined column
                 out.append((n, cols))
                 pos += n
         if damaged:
@@ -2969,7 +2969,7 @@ class Store:
             return fn(*args)
         except sqlite3.DatabaseError as exc:
             raise GpudiagError(f"store {self.path} cannot be read: {exc}") from None
-        except (*_DAMAGED_BLOCK_ERRORS, ValueError, KeyError, struct.error) as exc:
+        except _DAMAGED_BLOCK_ERRORS as exc:
             raise GpudiagError(f"store {self.path} holds a damaged chunk: {exc}") from None
 
     def _query(self, sql: str, params=()) -> list[tuple]:
