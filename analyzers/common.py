@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from gpudiag.catalog import M
-from gpudiag.frames import Column, Rows, forward_fill, layout_groups
+from gpudiag.frames import Column, DictColumn, Rows, forward_fill, layout_groups
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -402,24 +402,46 @@ def constant_per_entity(window, kind: str, keys: tuple[str, ...], column: str) -
     """Whether ``column`` of ``kind`` holds one value per entity (missing values aside) over the window.
 
     A counter that never changes within an entity has no increase and no rate; the
-    analyzers' ``may_find`` tests use it. False whenever it cannot tell.
+    analyzers' ``may_find`` tests use it. A column of dicts (a counter by label) holds one
+    value when every row of an entity has the same keys and each number under them holds
+    one value. False whenever it cannot tell.
     """
     if not window.has(kind, column):
         return True
     table = window.columns(kind)
     present = tuple(k for k in keys if k in table.columns)  # as per_entity groups
     try:
-        if present:
+        col = table.columns[column]
+        if isinstance(col, DictColumn):
+            if col.objects or col.other:
+                return False  # values that are not dicts of numbers: not told here
+            arrays = [col.layout, *col.leaves.values()]
+        elif present:
             got = table.entity_column(present, column)
             if got is None:
                 return False
-            values, starts = got
-            at = np.asarray(starts[:-1], dtype=np.int64)
+            return _one_value_per_entity(got[0], np.asarray(got[1][:-1], dtype=np.int64))
         else:
-            values, at = window.rows(kind)[column].to_numpy(float), np.zeros(1, dtype=np.int64)
-        values = np.asarray(values, dtype=float)
+            arrays = [window.rows(kind)[column].to_numpy(float)]
+        for values in arrays:
+            if _one_value_per_entity(values, np.zeros(1, dtype=np.int64)):
+                continue  # one value in every row: in every entity's too, without grouping them
+            if present:
+                got = table.in_entity_order(present, values)
+                if got is None:
+                    return False
+                values, at = got[0], np.asarray(got[1][:-1], dtype=np.int64)
+            else:
+                at = np.zeros(1, dtype=np.int64)
+            if not _one_value_per_entity(values, at):
+                return False
     except (TypeError, ValueError):
         return False
+    return True
+
+
+def _one_value_per_entity(values: np.ndarray, at: np.ndarray) -> bool:
+    values = np.asarray(values, dtype=float)
     if not values.size:
         return True
     lo, hi = np.fmin.reduceat(values, at), np.fmax.reduceat(values, at)

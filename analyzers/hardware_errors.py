@@ -24,7 +24,16 @@ from gpudiag.catalog import M
 from gpudiag.findings import Evidence, Finding, Severity, alert_name
 from gpudiag.frames import Window
 
-from .common import counter_increase, dict_keys, dict_total, label_int, labelled_total, per_entity
+from .common import (
+    constant_per_entity,
+    counter_increase,
+    dict_keys,
+    dict_total,
+    label_int,
+    labelled_total,
+    only_zeros,
+    per_entity,
+)
 
 KIND = "hardware_errors"
 
@@ -95,6 +104,26 @@ def analyze(window: Window) -> list[Finding]:
             details={"counters": {m: inc for m, inc, *_ in rises}},
         ))
     return findings
+
+
+# Every counter analyze reads; one that holds one value per GPU over the window has not risen.
+_COUNTERS = (M.gpu_xid_errors_total, M.gpu_ecc_errors_total, M.gpu_retired_pages_total, M.gpu_remapped_rows_total,
+             M.gpu_nvlink_errors_total, M.gpu_pcie_replay_total)
+
+
+def may_find(window: Window) -> bool:
+    """False only when :func:`analyze` is sure to find nothing in ``window``: no error counter moved, no GPU lost.
+
+    A finding needs a counter that rose within one GPU's samples (a code or a kind that
+    appears counts from 0, so a row whose keys differ from the one before counts as a
+    move) or a lost GPU. A healthy node's counters hold still for days, the aggregate ECC
+    counts of a GPU's past included; the agent's streaming analysis skips the analyzer then.
+    """
+    if window.rows("gpu").empty:
+        return False
+    if not only_zeros(window, "gpu", M.gpu_lost):
+        return True
+    return not all(constant_per_entity(window, "gpu", ("node", "gpu"), column) for column in _COUNTERS)
 
 
 def _rise(rises, rose_at, metric, series, threshold, critical) -> None:

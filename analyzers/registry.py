@@ -55,6 +55,7 @@ MAY_FIND = {
     kv_eviction_storm.KIND: kv_eviction_storm.may_find,
     cpu_starved_gpu.KIND: cpu_starved_gpu.may_find,
     degenerate_kernel_launch.KIND: degenerate_kernel_launch.may_find,
+    hardware_errors.KIND: hardware_errors.may_find,
 }
 
 

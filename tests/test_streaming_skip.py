@@ -123,3 +123,72 @@ def test_processes_whose_memory_never_moves_are_told_apart_at_once_and_forecast_
     t = np.arange(900.0) + 1.767e9
     for value in (0.0, 900 * mib, 79 * gib + 7):
         assert common.linear_trend(t, np.full(900, value))[0] == 0.0
+
+
+def _hardware_window(seconds: int, change=None) -> SlidingWindow:
+    """Two GPUs whose error counters hold still (each at its own past counts) unless ``change(t, gpu, row)``
+    moves one; fed through the agent's SlidingWindow."""
+    win = SlidingWindow(900.0)
+    for t in range(1, seconds + 1):
+        rows = []
+        for g in (0, 1):
+            row = {"node": "n", "gpu": g, "uuid": f"GPU-{g}",
+                   M.gpu_xid_errors_total: {"13": 2} if g else {},
+                   M.gpu_ecc_errors_total: {"volatile": {"corrected": 0, "uncorrected": 0},
+                                            "aggregate": {"corrected": 3 + 40 * g, "uncorrected": 0}},
+                   M.gpu_retired_pages_total: {"single_bit_ecc": g, "double_bit_ecc": 0},
+                   M.gpu_remapped_rows_total: {"correctable": 0, "uncorrectable": 0},
+                   M.gpu_nvlink_errors_total: {"crc_flit": 5 * g, "replay": 0},
+                   M.gpu_pcie_replay_total: 7, M.gpu_lost: 0}
+            if change is not None:
+                change(t, g, row)
+            rows.append(row)
+        win.add([Frame("gpu", float(t), rows)])
+    return win
+
+
+def _set(path, value):
+    def change(t, g, row):
+        if g == 1 and t >= 400:
+            d = row
+            for k in path[:-1]:
+                d[k] = dict(d[k])
+                d = d[k]
+            d[path[-1]] = value(t) if callable(value) else value
+    return change
+
+
+@pytest.mark.parametrize("what, change", [
+    ("an XID code that appears", _set((M.gpu_xid_errors_total, "79"), 1)),
+    ("an XID count that rises", _set((M.gpu_xid_errors_total, "13"), 3)),
+    ("uncorrected ECC", _set((M.gpu_ecc_errors_total, "volatile", "uncorrected"), 1)),
+    ("corrected ECC by the hundred", _set((M.gpu_ecc_errors_total, "volatile", "corrected"), lambda t: t - 399)),
+    ("a row remap that failed", _set((M.gpu_remapped_rows_total, "uncorrectable"), 1)),
+    ("NVLink retrains", _set((M.gpu_nvlink_errors_total, "replay"), lambda t: t // 10)),
+    ("PCIe replays", _set((M.gpu_pcie_replay_total,), lambda t: 7 + t // 10)),
+    ("a GPU lost", _set((M.gpu_lost,), 1)),
+])
+def test_hardware_errors_runs_when_any_counter_moves_and_finds_what_moved(what, change):
+    w = _hardware_window(600, change).window("n")
+    found = ANALYZERS["hardware_errors"](w)
+    assert [f.gpu for f in found] == [1], what
+    assert MAY_FIND["hardware_errors"](w), what
+    assert _docs(run_streaming(w)) == _docs(run_all(w))
+
+
+def test_hardware_errors_is_left_out_when_every_gpus_counters_hold_still_at_their_own_counts(monkeypatch):
+    w = _hardware_window(600).window("n")
+    assert not MAY_FIND["hardware_errors"](w)
+    assert ANALYZERS["hardware_errors"](w) == []
+    calls = []
+    monkeypatch.setitem(registry.ANALYZERS, "hardware_errors", lambda window: calls.append(1) or [])
+    run_streaming(w)
+    assert calls == []
+    # Counters that differ between the GPUs but never within one are told apart per GPU: the
+    # same counts with the GPUs' rows swapped halfway move within each (GPU 0's rise, GPU 1's
+    # fall reads as a reset).
+    from gpudiag.analyzers import hardware_errors
+
+    swapped = _hardware_window(600, lambda t, g, row: row.update(gpu=1 - g) if t > 300 else None).window("n")
+    assert MAY_FIND["hardware_errors"](swapped)
+    assert [f.gpu for f in hardware_errors.analyze(swapped)] == [0]
