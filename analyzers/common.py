@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from gpudiag.catalog import M
-from gpudiag.frames import Column, DictColumn, Rows, forward_fill, layout_groups
+from gpudiag.frames import Column, DictColumn, LazyColumns, Rows, forward_fill, layout_groups
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -372,8 +372,7 @@ def still_per_entity(rows, keys: tuple[str, ...], columns: tuple[str, ...], *,
         values, starts = got
         if values.dtype.kind not in "fiub":
             return None
-        v = values.astype(float, copy=False)
-        lo, hi = np.fmin.reduceat(v, starts[:-1]), np.fmax.reduceat(v, starts[:-1])
+        lo, hi = _entity_min_max(values, starts[:-1])
         flat = lo == hi
         if whole_numbers:
             with np.errstate(invalid="ignore"):
@@ -410,41 +409,43 @@ def constant_per_entity(window, kind: str, keys: tuple[str, ...], column: str) -
         return True
     table = window.columns(kind)
     present = tuple(k for k in keys if k in table.columns)  # as per_entity groups
+    lazy = isinstance(table.columns, LazyColumns) and not table.columns.made(column)
     try:
-        col = table.columns[column]
-        if isinstance(col, DictColumn):
-            if col.objects or col.other:
-                return False  # values that are not dicts of numbers: not told here
-            arrays = [col.layout, *col.leaves.values()]
-        elif present:
+        col = None if lazy else table.columns[column]  # a column not made yet is read from its source
+        if not isinstance(col, DictColumn):
+            if not present:
+                return _one_value(window.rows(kind)[column].to_numpy(float), _ONE_ENTITY)
             got = table.entity_column(present, column)
-            if got is None:
-                return False
-            return _one_value_per_entity(got[0], np.asarray(got[1][:-1], dtype=np.int64))
-        else:
-            arrays = [window.rows(kind)[column].to_numpy(float)]
-        for values in arrays:
-            if _one_value_per_entity(values, np.zeros(1, dtype=np.int64)):
+            return got is not None and _one_value(got[0], got[1][:-1])
+        if col.objects or col.other:
+            return False  # values that are not dicts of numbers: not told here
+        for values in (col.layout, *col.leaves.values()):
+            if _one_value(values, _ONE_ENTITY):
                 continue  # one value in every row: in every entity's too, without grouping them
-            if present:
-                got = table.in_entity_order(present, values)
-                if got is None:
-                    return False
-                values, at = got[0], np.asarray(got[1][:-1], dtype=np.int64)
-            else:
-                at = np.zeros(1, dtype=np.int64)
-            if not _one_value_per_entity(values, at):
+            got = table.in_entity_order(present, values) if present else None
+            if got is None or not _one_value(got[0], got[1][:-1]):
                 return False
     except (TypeError, ValueError):
         return False
     return True
 
 
-def _one_value_per_entity(values: np.ndarray, at: np.ndarray) -> bool:
-    values = np.asarray(values, dtype=float)
-    if not values.size:
+_ONE_ENTITY = np.zeros(1, dtype=np.int64)
+
+
+def _entity_min_max(values: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each entity's least and greatest value (NaN aside; NaN for an entity of NaN alone); ``starts``: where
+    each entity's rows begin in ``values``, as floats."""
+    v = np.asarray(values, dtype=float)
+    at = np.asarray(starts, dtype=np.int64)
+    return np.fmin.reduceat(v, at), np.fmax.reduceat(v, at)
+
+
+def _one_value(values: np.ndarray, starts: np.ndarray) -> bool:
+    """Whether every entity of ``values`` (rows from ``starts``) holds one value, missing values aside."""
+    if not len(values):
         return True
-    lo, hi = np.fmin.reduceat(values, at), np.fmax.reduceat(values, at)
+    lo, hi = _entity_min_max(values, starts)
     return not bool(np.any(hi > lo))  # an entity with nothing but NaN gives NaN, which is no change
 
 

@@ -835,27 +835,26 @@ class Table:
         """
         if name not in self.columns or not self.n:
             return None
-        entities = self.entity_rows(keys)
-        if not entities:
+        layout = self._group_layout(keys)
+        if layout is None:
             return None
-        layout = entities[0][1]._layout[0]
         lazy = isinstance(self.columns, LazyColumns) and not self.columns.made(name)
         got = layout.ordered(name, lambda: self.columns[name], lazy)
         return None if got is None else (got, layout.starts)
 
     def in_entity_order(self, keys: tuple[str, ...], values: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-        """``values`` (an array with one value per row of this table, such as a dict column's leaf) in the
-        group order of :meth:`entity_rows`, with each group's start and end; None without rows or groups.
+        """:meth:`entity_column` for any array with one value per row of this table (a dict column's leaf).
 
         The copy is made once per array (kept with the groups until :meth:`release`).
         """
         if not self.n or len(values) != self.n:
             return None
+        layout = self._group_layout(keys)
+        return None if layout is None else (layout._copy_of(values), layout.starts)
+
+    def _group_layout(self, keys: tuple[str, ...]) -> _GroupLayout | None:
         entities = self.entity_rows(keys)
-        if not entities:
-            return None
-        layout = entities[0][1]._layout[0]
-        return layout._copy_of(values), layout.starts
+        return entities[0][1]._layout[0] if entities else None
 
     def lookup(self, keys: tuple[str, ...]) -> dict[tuple, int]:
         """Group number per key tuple of :meth:`groups` (groups with a missing label cannot be looked up)."""
