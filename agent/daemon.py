@@ -34,7 +34,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +70,12 @@ ANALYSIS_WAKE_S = 1.0
 # report (kv_eviction_storm MIN_DURATION_S).
 SIM_LEAD_S = 60.0
 FLUSH_INTERVAL_S = 1.0
+# The tracker's join and the flush follow the probes' ticks (Pulse): each runs at the first tick
+# from EARLIEST to LATEST of its interval after its last run, or at LATEST without one. A quarter
+# either side: a probe on the same interval is always inside, so the work locks on right behind
+# it, and work that no probe paces still runs at least every 5/4 of its interval.
+PULSE_EARLIEST = 0.75
+PULSE_LATEST = 1.25
 # An analysis and a seal each hold 13-15 MB of temporary arrays for a moment (8 GPUs x 16
 # processes); at once they would add up, on top of everything else the agent holds. So a flush
 # leaves its seal to the next second while an analysis runs, and an analysis waits for a running
@@ -95,6 +101,47 @@ _NOT_IN_WINDOW = (
 
 
 # --- probe slots --------------------------------------------------------------------------
+
+
+class Pulse:
+    """The moments frames come in, for the agent's once-an-interval work to run right behind them.
+
+    The tracker's join follows the probes' ticks and the flush follows the join, so a node's
+    second of work runs in one burst instead of three wake-ups at unrelated moments. A core that
+    idles between bursts runs the work that wakes it slower (cold caches, a vCPU being
+    rescheduled): on the benchmark's VM a fixed piece of work takes 1.4 times as long after a
+    second of idling as back to back, and about 1.0-1.4 times right behind another piece
+    (bench_agent.py prints the first ratio as ``machine:``).
+    """
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._beats = 0
+
+    def beat(self) -> None:
+        """Frames came in (or the work a follower follows is done): wake the followers that wait."""
+        with self._cond:
+            self._beats += 1
+            self._cond.notify_all()
+
+    def every(self, interval_s: float, stop: threading.Event) -> Iterator[None]:
+        """Yield once per ``interval_s``: at the first beat from PULSE_EARLIEST to PULSE_LATEST of it
+        after the last yield, or at PULSE_LATEST without one. Ends when ``stop`` is set and the
+        follower wakes (:meth:`beat` after setting it wakes a waiting one at once)."""
+        last = time.monotonic()
+        while True:
+            # Beats before the earliest moment do not count: a probe ticking at another phase
+            # would otherwise pull the work off the beat of its own interval.
+            if stop.wait(max(0.0, last + PULSE_EARLIEST * interval_s - time.monotonic())):
+                return
+            with self._cond:
+                seen = self._beats
+                self._cond.wait_for(lambda seen=seen: self._beats != seen or stop.is_set(),
+                                    timeout=max(0.0, last + PULSE_LATEST * interval_s - time.monotonic()))
+            if stop.is_set():
+                return
+            last = time.monotonic()
+            yield
 
 
 class ProbeSlot:
@@ -558,6 +605,8 @@ class Agent:
         self._ingest_lock = threading.Lock()
         self._process_rows: dict[str, tuple[float, list[dict[str, Any]]]] = {}
         self._stop = threading.Event()
+        self._frames_in = Pulse()  # a probe handed frames over: the tracker follows it
+        self._joined = Pulse()  # the tracker's pass is done: the flusher follows it
         self._threads: list[threading.Thread] = []
         self._proc = psutil.Process()
         self._cpu_mark = (time.monotonic(), self._cpu_seconds())
@@ -669,6 +718,7 @@ class Agent:
             else:
                 self._process_rows[slot.key] = (fr.t, fr.rows)
         self._publish(out)
+        self._frames_in.beat()
 
     def _publish(self, frames: list[Frame]) -> None:
         if not frames:
@@ -686,21 +736,25 @@ class Agent:
             self.store.append(frames)
             self.window.add(frames)
 
+    def _tracker_joins(self) -> bool:
+        """Whether the tracker thread joins process rows (with --sim the timeline's are joined as they come)."""
+        return not (any(s.timeline for s in self.slots)
+                    and not any(not s.timeline for s in self.slots if s.key != "ebpf"))
+
     def _tracker_loop(self) -> None:
-        if any(s.timeline for s in self.slots) and not any(not s.timeline for s in self.slots
-                                                          if s.key != "ebpf"):
-            return  # the timeline probe's process rows are joined as they arrive
+        if not self._tracker_joins():
+            return
         interval = self.config.get("probes.tracker_interval_s")
-        while not self._stop.wait(interval):
+        for _ in self._frames_in.every(interval, self._stop):
             stale_before = time.time() - 3 * max(s.interval_s for s in self.slots) if self.slots else 0
             frames = [Frame("process", t, rows) for t, rows in list(self._process_rows.values()) if t >= stale_before]
-            if not frames:
-                continue
-            try:
-                joined = self.tracker.update(time.time(), frames)
-                self._publish([joined])
-            except Exception as exc:  # noqa: BLE001 - the join must not stop; say why it failed
-                log.warning("tracker join failed: %s: %s", type(exc).__name__, exc)
+            if frames:
+                try:
+                    joined = self.tracker.update(time.time(), frames)
+                    self._publish([joined])
+                except Exception as exc:  # noqa: BLE001 - the join must not stop; say why it failed
+                    log.warning("tracker join failed: %s: %s", type(exc).__name__, exc)
+            self._joined.beat()
 
     @staticmethod
     def _cpu_seconds() -> float:
@@ -734,7 +788,10 @@ class Agent:
         return rows
 
     def _flush_loop(self) -> None:
-        while not self._stop.wait(FLUSH_INTERVAL_S):
+        # Behind the tracker's join when it runs (its process frame goes out in the same flush),
+        # else behind the probes. A store write stuck on the disk holds only this thread.
+        pulse = self._joined if self._tracker_joins() else self._frames_in
+        for _ in pulse.every(FLUSH_INTERVAL_S, self._stop):
             self.flush()
 
     def flush(self) -> None:
@@ -869,6 +926,8 @@ class Agent:
         deadline = time.monotonic() + timeout_s
         self._stop.set()
         self.window.wake()
+        self._frames_in.beat()
+        self._joined.beat()
         for slot in self.slots:
             slot.stop(timeout_s=max(0.05, min(0.5, deadline - time.monotonic())))
         for th in self._threads:

@@ -26,7 +26,16 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpudiag.agent.config import AgentConfig, load, parse
-from gpudiag.agent.daemon import SIM_LEAD_S, Agent, FindingLog, ProbeSlot, SlidingWindow
+from gpudiag.agent.daemon import (
+    PULSE_EARLIEST,
+    PULSE_LATEST,
+    SIM_LEAD_S,
+    Agent,
+    FindingLog,
+    ProbeSlot,
+    Pulse,
+    SlidingWindow,
+)
 from gpudiag.agent.store import Store
 from gpudiag.catalog import M
 from gpudiag.errors import GpudiagError
@@ -377,6 +386,93 @@ def test_a_store_write_that_waits_never_holds_up_the_probes_or_the_live_metrics(
     with Store.open(str(path), readonly=True) as store:
         t = store.window(held_from, held_from + 1.5, kinds=["gpu"]).table("gpu")["t"]
         assert len(t) >= 10, "the seconds sampled while the store waited did not reach it"
+
+
+def test_pulsed_work_runs_right_behind_a_beat_ignores_early_ones_and_runs_on_its_own_without_any():
+    """Pulse.every: a beat from 3/4 of the interval on starts the work at once; one before that
+    does not count; without one the work runs at 5/4 of the interval; stopping ends it."""
+    pulse, stop, ran = Pulse(), threading.Event(), []
+    interval = 2.0
+    runs = threading.Semaphore(0)
+
+    def follower():
+        for _ in pulse.every(interval, stop):
+            ran.append(time.monotonic())
+            runs.release()
+
+    started = time.monotonic()
+    th = threading.Thread(target=follower, daemon=True)
+    th.start()
+    try:
+        time.sleep(0.85 * interval)
+        beat_at = time.monotonic()
+        pulse.beat()
+        assert runs.acquire(timeout=30)
+        # Behind the beat, long before the 5/4 fallback (0.8 s of margin for a slow machine).
+        assert PULSE_EARLIEST * interval <= ran[0] - started < PULSE_LATEST * interval - 0.2
+        assert ran[0] >= beat_at
+        time.sleep(0.25 * interval)
+        pulse.beat()  # too early in the next interval: ignored
+        assert runs.acquire(timeout=30)
+        assert ran[1] - ran[0] >= PULSE_LATEST * interval - 0.05, "an early beat started the work"
+    finally:
+        stop.set()
+        pulse.beat()
+        th.join(5)
+    assert not th.is_alive(), "stopping did not end the pulsed loop"
+    assert len(ran) == 2
+
+
+class SlowHandoverProbe(Probe):
+    """Process rows after a 0.3 s sample (a slow driver call): the hand-over lands mid-second."""
+
+    name = "slow"
+
+    def __init__(self):
+        self.handed = []
+
+    def sample(self, now):
+        time.sleep(0.3)
+        self.handed.append(time.monotonic())
+        return [Frame("gpu", now, [{"gpu": 0, "uuid": "GPU-x", M.gpu_utilization_ratio: 0.5}]),
+                Frame("process", now, [{"gpu": 0, "uuid": "GPU-x", "pid": 7, M.process_gpu_memory_bytes: 1e9}])]
+
+
+def test_the_join_follows_the_probes_hand_over_and_the_flush_follows_the_join(tmp_path):
+    """A second's work runs in one burst behind the probe (a core woken once, not three times):
+    the tracker joins right after the probe hands its rows over, mid-second, and the store's
+    flush right after the join."""
+    probe = SlowHandoverProbe()
+    cfg = AgentConfig().with_overrides({"store.path": str(tmp_path / "s.db")})
+    agent = Agent(cfg, probes=[("slow", probe, 1.0)], serve_metrics=False)
+    joins, flushes = [], []
+    update, flush = agent.tracker.update, agent.store.flush
+
+    def timed_update(*a, **kw):
+        joins.append(time.monotonic())
+        return update(*a, **kw)
+
+    def timed_flush(*a, **kw):
+        flushes.append(time.monotonic())
+        return flush(*a, **kw)
+
+    agent.tracker.update, agent.store.flush = timed_update, timed_flush
+    agent.start()
+    try:
+        wait_for(lambda: len(joins) >= 5 and len(flushes) >= 5, 30, "five joins and flushes")
+    finally:
+        agent.stop()
+    handed = list(probe.handed)
+    for j in joins[1:5]:
+        before = [h for h in handed if h <= j]
+        assert before and j - before[-1] < 0.25, \
+            f"a join {j - before[-1] if before else None} s after the last hand-over"
+    for f in flushes[1:5]:
+        before = [j for j in joins if j <= f]
+        assert before and f - before[-1] < 0.25, "a flush not right behind a join"
+    with Store.open(str(tmp_path / "s.db"), readonly=True) as store:
+        lo, hi = store.time_range()
+        assert len(store.window(lo, hi, kinds=["process"]).table("process")) >= 4
 
 
 def _store_rows(agent: Agent, seconds: range) -> None:
