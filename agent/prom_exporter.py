@@ -15,7 +15,8 @@ Row conventions the collector reads (see ``gpudiag.probes.base``):
 * a histogram is either a dict ``{"buckets": [(le, cumulative count), ...],
   "sum": s, "count": n}`` (the eBPF probe's latency maps), or, in ``request``
   rows, one observation per finished request, accumulated here into
-  cumulative buckets (:data:`LATENCY_BUCKETS_S`); a request row's TTFT, inter-token and
+  cumulative buckets (:data:`LATENCY_BUCKETS_S`; counted in batches when a reader asks,
+  see :data:`MAX_WAITING_REQUESTS`); a request row's TTFT, inter-token and
   e2e latency are observed twice, once in the engine's vLLM-dialect histogram and once in
   gpudiag's by ``context_bucket`` (``catalog.BY_CONTEXT``; the bucket of its
   ``prompt_tokens + output_tokens``), which is exported whatever the dialect setting;
@@ -44,6 +45,7 @@ import hmac
 import ipaddress
 import logging
 import math
+import operator
 import os
 import selectors
 import socket
@@ -51,12 +53,12 @@ import socketserver
 import ssl
 import sys
 import threading
-from bisect import bisect_left
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import numpy as np
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import (
@@ -67,7 +69,18 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.utils import floatToGoString
 
-from gpudiag.catalog import BY_CONTEXT, CATALOG, COUNTER, GAUGE, HISTOGRAM, INFO, M, request_context_bucket
+from gpudiag.catalog import (
+    BY_CONTEXT,
+    CATALOG,
+    CONTEXT_BUCKET_EDGES_TOKENS,
+    CONTEXT_BUCKETS,
+    COUNTER,
+    GAUGE,
+    HISTOGRAM,
+    INFO,
+    M,
+    request_context_bucket,
+)
 from gpudiag.catalog import Metric as CatalogMetric
 from gpudiag.errors import GpudiagError
 from gpudiag.frames import Frame
@@ -86,10 +99,68 @@ CLIENT_TIMEOUT_S = 10.0
 
 _FAMILY = {GAUGE: GaugeMetricFamily, COUNTER: CounterMetricFamily, INFO: GaugeMetricFamily}
 _LE_LABELS = tuple(floatToGoString(le) for le in LATENCY_BUCKETS_S)
+_EDGES = np.asarray(LATENCY_BUCKETS_S, dtype=np.float64)
+# Request rows wait in LatestFrames until a reader needs the histograms (a scrape, an OTLP
+# push) and are then counted together: Python reads each row's values and labels once per
+# label set, numpy does the buckets, counts and sums. Counted one at a time on arrival, 80
+# finished requests a second cost 0.86 ms of CPU a second, a tenth of the agent's budget.
+# With no reader, this many waiting rows are counted at once (memory stays bounded).
+MAX_WAITING_REQUESTS = 4096
+_CONTEXT_EDGES = np.asarray(CONTEXT_BUCKET_EDGES_TOKENS, dtype=np.float64)
 
 
 def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v))
+
+
+def _number(v) -> float:
+    """An observation's value; NaN for what is no observation (None, text, an integer past any float)."""
+    if isinstance(v, (int, float)):
+        try:
+            return float(v)
+        except OverflowError:
+            return math.nan
+    return math.nan
+
+
+_PLAIN_NUMBERS = frozenset((int, float))
+
+
+def _numbers(values: list, *, bools: bool = True) -> np.ndarray:
+    """:func:`_number` of each value as float64 (bools as 1/0, or NaN when not ``bools``).
+
+    Plain ints and floats, the usual case, convert in one step.
+    """
+    if set(map(type, values)) <= _PLAIN_NUMBERS:
+        try:
+            return np.array(values, dtype=np.float64)
+        except OverflowError:  # an int past any float: value by value below
+            pass
+    return np.fromiter(map(_number if bools else _token_count, values), dtype=np.float64, count=len(values))
+
+
+def _token_count(v) -> float:
+    """A token count as catalog.context_bucket reads one: a number, not a bool (a huge int: +-inf); else NaN."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return math.nan
+    try:
+        return float(v)
+    except OverflowError:
+        return math.inf if v > 0 else -math.inf
+
+
+def _context_buckets(rows: list[dict[str, Any]], keys: tuple[str, ...]) -> list[str | None]:
+    """catalog.request_context_bucket of each row of one shape (from the token counts in one step)."""
+    if "context_bucket" in keys or "prompt_tokens" not in keys or "output_tokens" not in keys:
+        return [request_context_bucket(row) for row in rows]
+    tokens = _numbers(list(map(operator.itemgetter("prompt_tokens"), rows)), bools=False) \
+        + _numbers(list(map(operator.itemgetter("output_tokens"), rows)), bools=False)
+    # The first bucket whose edge is at least the count, past the last edge the last; unknown
+    # (NaN, negative) none. The same as catalog.context_bucket (a test holds them together).
+    codes = np.searchsorted(_CONTEXT_EDGES, tokens, side="left")
+    names = CONTEXT_BUCKETS + (None,)
+    codes[~(tokens >= 0)] = len(names) - 1
+    return [names[c] for c in codes.tolist()]
 
 
 def _label_value(v) -> str:
@@ -124,22 +195,19 @@ class _Histogram:
     __slots__ = ("count", "counts", "sum")
 
     def __init__(self):
-        self.counts = [0] * (len(LATENCY_BUCKETS_S) + 1)
+        self.counts = np.zeros(len(LATENCY_BUCKETS_S) + 1, dtype=np.int64)  # the last: above every edge
         self.sum = 0.0
         self.count = 0
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(LATENCY_BUCKETS_S, value)] += 1
-        self.sum += value
-        self.count += 1
+    def observe(self, values: np.ndarray) -> None:
+        """Count observations (finite or infinite numbers): each in the first bucket whose edge is >= it."""
+        self.counts += np.bincount(np.searchsorted(_EDGES, values, side="left"), minlength=len(self.counts))
+        self.sum += sum(values.tolist())  # in order, as they came (inf and -inf make NaN, as Prometheus' would)
+        self.count += len(values)
 
     def buckets(self) -> list[tuple[str, float]]:
-        out, running = [], 0
-        for le, n in zip(_LE_LABELS, self.counts):
-            running += n
-            out.append((le, float(running)))
-        out.append(("+Inf", float(self.count)))
-        return out
+        running = np.cumsum(self.counts[:-1]).tolist()
+        return [(le, float(n)) for le, n in zip(_LE_LABELS, running)] + [("+Inf", float(self.count))]
 
 
 @dataclass
@@ -171,6 +239,7 @@ class LatestFrames:
         self._findings: list[dict[str, Any]] = []
         self._histograms: dict[str, dict[tuple[str, ...], _Histogram]] = {}
         self._plans: dict[tuple[str, ...], list] = {}  # a request row's keys -> its histogram columns
+        self._waiting: list[dict[str, Any]] = []  # request rows not counted yet (see MAX_WAITING_REQUESTS)
         self._listeners: list = []
 
     def update(self, frames: Iterable[Frame]) -> None:
@@ -186,44 +255,94 @@ class LatestFrames:
         requests = by_kind.pop("request", [])
         with self._lock:
             self._rows.update(by_kind)
-            for row in requests:
-                self._observe(row)
+            if requests:
+                self._waiting.extend(row for row in requests if isinstance(row, dict))
+                if len(self._waiting) >= MAX_WAITING_REQUESTS:
+                    self._count_waiting()
         for listener in list(self._listeners):
             listener(frames)
 
-    def _observe(self, row: dict[str, Any]) -> None:
-        keys = tuple(row)
-        plan = self._plans.get(keys)
-        if plan is None:
-            if len(self._plans) >= _MAX_PLANS:  # rows of ever new shapes: start over rather than grow
-                self._plans.clear()
-            plan = self._plans[keys] = _histogram_plan(keys)
-        if not plan:
-            return
-        bucket = request_context_bucket(row)
-        seen: dict[tuple, tuple[str, ...]] = {}  # the row's label values, per set of label names
+    def _count_waiting(self) -> None:
+        """Count the waiting request rows into the histograms (the caller holds the lock)."""
+        rows, self._waiting = self._waiting, []
+        by_shape: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+        for row in rows:
+            by_shape.setdefault(tuple(row), []).append(row)
+        for keys, group in by_shape.items():
+            plan = self._plans.get(keys)
+            if plan is None:
+                if len(self._plans) >= _MAX_PLANS:  # rows of ever new shapes: start over rather than grow
+                    self._plans.clear()
+                plan = self._plans[keys] = _histogram_plan(keys)
+            if plan:
+                self._count_shape(keys, group, plan)
+
+    def _count_shape(self, keys: tuple[str, ...], rows: list[dict[str, Any]], plan: list) -> None:
+        """Observe one shape's rows: each histogram key's numbers, by the label set of their row."""
+        buckets = None
+        if any(by_context is not None for _, _, by_context in plan):
+            buckets = _context_buckets(rows, keys)
+        positions: dict[tuple, dict[tuple[str, ...], np.ndarray]] = {}  # (names, by context): label set -> rows
+
+        def by_labels(names: tuple[str, ...], by_context: bool) -> dict[tuple[str, ...], np.ndarray]:
+            got = positions.get((names, by_context))
+            if got is None:
+                got = positions[(names, by_context)] = self._group_by_labels(
+                    keys, rows, names, buckets if by_context else None)
+            return got
+
         for key, metric, by_context in plan:
-            value = row[key]
-            if not _is_number(value):
+            values = _numbers(list(map(operator.itemgetter(key), rows)))
+            ok = ~np.isnan(values)
+            if not ok.any():
                 continue
-            self._observe_one(metric, self._labels(row, metric.labels, None, seen), float(value))
-            if by_context is not None and bucket is not None:
-                self._observe_one(by_context, self._labels(row, by_context.labels, bucket, seen), float(value))
+            self._observe(metric, by_labels(metric.labels, False), values, ok)
+            if by_context is not None:
+                self._observe(by_context, by_labels(by_context.labels, True), values, ok)
 
-    def _labels(self, row: dict[str, Any], names: tuple[str, ...], bucket: str | None, seen: dict
-                ) -> tuple[str, ...]:
-        got = seen.get((names, bucket))
-        if got is None:
-            got = seen[(names, bucket)] = tuple(_label_value(bucket if bucket is not None and name == "context_bucket"
-                                                             else self._label(row, name)) for name in names)
-        return got
-
-    def _observe_one(self, metric: CatalogMetric, labels: tuple[str, ...], value: float) -> None:
+    def _observe(self, metric: CatalogMetric, groups: dict[tuple[str, ...], np.ndarray], values: np.ndarray,
+                 ok: np.ndarray) -> None:
         per_metric = self._histograms.setdefault(metric.column, {})
-        hist = per_metric.get(labels)
-        if hist is None:
-            hist = per_metric[labels] = _Histogram()
-        hist.observe(value)
+        for labels, at in groups.items():
+            at = at[ok[at]]
+            if not len(at):
+                continue
+            hist = per_metric.get(labels)
+            if hist is None:
+                hist = per_metric[labels] = _Histogram()
+            hist.observe(values[at])
+
+    def _group_by_labels(self, keys: tuple[str, ...], rows: list[dict[str, Any]], names: tuple[str, ...],
+                         buckets: list[str | None] | None) -> dict[tuple[str, ...], np.ndarray]:
+        """Row positions by their label values for ``names`` (``context_bucket`` from ``buckets``
+        when given: rows without a bucket are left out)."""
+        present = tuple(n for n in names if n in keys)  # a shape's rows all have the same keys
+        got = operator.itemgetter(*present) if len(present) > 1 else \
+            (lambda row, n=present[0]: (row[n],)) if present else (lambda row: ())
+        raws = list(map(got, rows)) if buckets is None else \
+            [r + (b,) for r, b in zip(map(got, rows), buckets)]
+        by_raw: dict[tuple, list[int]] = {}
+        try:
+            for i, raw in enumerate(raws):
+                by_raw.setdefault(raw, []).append(i)
+        except TypeError:  # an unhashable label value (a list): every row worked out alone
+            pairs = [(raw, [i]) for i, raw in enumerate(raws)]
+        else:
+            pairs = list(by_raw.items())
+        out: dict[tuple[str, ...], list[int]] = {}
+        for raw, at in pairs:
+            lab = self._label_values(dict(zip(present, raw)), names, buckets is not None,
+                                     raw[-1] if buckets is not None else None)
+            if lab is not None:
+                out.setdefault(lab, []).extend(at)  # two raw values may read the same (gpu 0 and 0.0)
+        return {lab: np.sort(np.asarray(at, dtype=np.int64)) for lab, at in out.items()}
+
+    def _label_values(self, row: dict[str, Any], names: tuple[str, ...], by_context: bool,
+                      bucket: str | None) -> tuple[str, ...] | None:
+        if by_context and bucket is None:
+            return None  # no context bucket: in the engine's histogram only
+        return tuple(_label_value(bucket if by_context and name == "context_bucket" else self._label(row, name))
+                     for name in names)
 
     def _label(self, row: dict[str, Any], name: str):
         value = row.get(name)
@@ -252,6 +371,8 @@ class LatestFrames:
     def snapshot(self) -> Snapshot:
         """A consistent copy of what a scrape exports."""
         with self._lock:
+            if self._waiting:
+                self._count_waiting()
             histograms = {col: {labels: (h.buckets(), h.sum) for labels, h in per.items()}
                           for col, per in self._histograms.items()}
             return Snapshot(self.node, dict(self._rows), list(self._agent_rows), list(self._findings),

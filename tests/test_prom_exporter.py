@@ -18,6 +18,7 @@ import pytest
 from netstat import listen_overflows
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpudiag.agent import prom_exporter
 from gpudiag.agent.prom_exporter import (
     LATENCY_BUCKETS_S,
     BasicAuth,
@@ -27,7 +28,7 @@ from gpudiag.agent.prom_exporter import (
     registry_for,
     serve,
 )
-from gpudiag.catalog import BY_NAME, CATALOG, HISTOGRAM, INFO, METRICS, M
+from gpudiag.catalog import BY_CONTEXT, BY_NAME, CATALOG, HISTOGRAM, INFO, METRICS, M, request_context_bucket
 from gpudiag.errors import GpudiagError
 from gpudiag.findings import Finding, Severity
 from gpudiag.frames import Frame
@@ -191,6 +192,123 @@ def test_in_engine_dialect_mode_finished_requests_fill_the_latency_histograms(se
     latest.update([Frame("request", T + 1, [{"node": "node-a", "gpu": 0, "engine": "vllm",
                                              M.time_to_first_token_seconds: 0.05}])])
     assert samples_of(scrape(served(latest).url)[1])[ttft + "_count"][labels] == 4  # cumulative
+
+
+def _one_by_one(rows, node="node-a"):
+    """The histograms the request rows make counted one row at a time, straight from the rules:
+    {column: {label values: (bucket counts, sum)}}."""
+    import bisect
+    import math
+
+    def label(row, name, bucket):
+        if name == "context_bucket" and bucket is not None:
+            return bucket
+        v = row.get(name)
+        v = node if v is None and name == "node" else v
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            return ""
+        return str(int(v)) if isinstance(v, float) and v.is_integer() else str(v)
+
+    out = {}
+    for row in rows:
+        bucket = request_context_bucket(row)
+        for key, value in row.items():
+            metric = CATALOG.get(key)
+            if metric is None or metric.type != HISTOGRAM or not isinstance(value, (int, float)) \
+                    or value != value:
+                continue
+            targets = [(metric, None)]
+            by_ctx = BY_CONTEXT.get(key)
+            if by_ctx is not None and by_ctx not in row and bucket is not None:
+                targets.append((CATALOG[by_ctx], bucket))
+            for m, b in targets:
+                labels = tuple(label(row, n, b) for n in m.labels)
+                counts, total = out.setdefault(m.column, {}).get(labels, ([0] * (len(LATENCY_BUCKETS_S) + 1), 0.0))
+                counts[bisect.bisect_left(LATENCY_BUCKETS_S, float(value))] += 1
+                out[m.column][labels] = (counts, total + float(value))
+    return out
+
+
+def _exported(hist):
+    """A snapshot's histograms as {column: {labels: (per-bucket counts, sum)}}."""
+    out = {}
+    for column, per in hist.items():
+        for labels, (buckets, total) in per.items():
+            cumulative = [n for _, n in buckets]
+            counts = [int(cumulative[0])] + [int(b - a) for a, b in zip(cumulative, cumulative[1:])]
+            out.setdefault(column, {})[labels] = (counts, total)
+    return out
+
+
+def test_request_rows_counted_in_batches_make_the_histograms_one_by_one_counting_makes():
+    """Request rows wait until a reader needs the histograms and are counted together; the result is
+    the one-row-at-a-time count: buckets (edges included), sums, labels, context buckets, shapes."""
+    import random
+
+    rng = random.Random(7)
+    ttft, itl, e2e = M.time_to_first_token_seconds, M.inter_token_latency_seconds, M.e2e_request_latency_seconds
+    rows = []
+    for i in range(3000):
+        row = {"node": "node-a", "gpu": rng.choice([0, 1, 2.0]), "engine": rng.choice(["vllm", "sglang"])}
+        if i % 7:
+            row.update(prompt_tokens=rng.choice([0, 100, 411, 412, 2048, 2047, 30000, -5, None, True, 1.5e9]),
+                       output_tokens=rng.choice([100, 0, 1, 2**70]))
+        row[ttft] = rng.choice([rng.uniform(0, 70), *LATENCY_BUCKETS_S, None, float("nan"), float("inf"), 0.0])
+        row[itl] = rng.choice([rng.uniform(0, 0.2), False, 1])
+        if i % 5 == 0:
+            row[e2e] = rng.uniform(0, 100)
+        if i % 11 == 0:
+            row["context_bucket"] = rng.choice(["<=512", ""])
+        rows.append(row)
+    latest = LatestFrames(node="node-a", export_engine_dialect=True)
+    for k in range(0, len(rows), 250):  # a tick's rows at a time, read now and then
+        latest.update([Frame("request", T + k, rows[k:k + 250])])
+        if k % 1000 == 750:
+            latest.snapshot()
+    got, want = _exported(latest.snapshot().histograms), _one_by_one(rows)
+    assert set(got) == set(want) and set(got) >= {ttft, itl, e2e, *(BY_CONTEXT[c] for c in (ttft, itl, e2e))}
+    for column in want:
+        assert set(got[column]) == set(want[column]), column
+        for labels, (counts, total) in want[column].items():
+            assert got[column][labels][0] == counts, (column, labels)
+            assert got[column][labels][1] == pytest.approx(total, rel=1e-9), (column, labels)
+
+
+def test_the_context_bucket_of_many_requests_at_once_is_catalogs_of_each():
+    values = [0, 1, 511, 512, 513, 2047, 2048, 2049, 8192, 32768, 32769, -1, 0.5, 511.5, float("nan"),
+              float("inf"), float("-inf"), None, True, False, "300", 2**80, -(2**80)]
+    rows = [{"prompt_tokens": p, "output_tokens": o} for p in values for o in (0, 1, 2**80, None, 12.5, True)]
+    assert prom_exporter._context_buckets(rows, tuple(rows[0])) == [request_context_bucket(r) for r in rows]
+
+
+def test_request_rows_never_waiting_for_a_reader_are_counted_in_bounded_batches():
+    latest = LatestFrames(node="node-a")
+    ttft = M.time_to_first_token_seconds
+    n = 3 * prom_exporter.MAX_WAITING_REQUESTS + 17
+    for k in range(0, n, 100):
+        latest.update([Frame("request", T + k, [{"gpu": 0, ttft: 0.01}] * min(100, n - k))])
+        assert len(latest._waiting) < prom_exporter.MAX_WAITING_REQUESTS
+    (buckets, total), = latest.snapshot().histograms[ttft].values()
+    assert buckets[-1] == ("+Inf", float(n)) and total == pytest.approx(0.01 * n)
+
+
+def test_hostile_request_rows_are_no_observation_and_never_break_a_scrape(served):
+    """Values no float holds, labels that are lists, rows that are not dicts, infinities: a scrape
+    still answers, and only what is a number is counted."""
+    ttft = M.time_to_first_token_seconds
+    latest = LatestFrames(node="node-a")
+    latest.update([Frame("request", T, [
+        {"gpu": 0, ttft: 10**400},  # no float holds it: not an observation
+        {"gpu": [0, 1], ttft: 0.2},  # a list for a label: its text
+        "not a row",
+        {"gpu": 0, ttft: float("inf")},
+        {"gpu": 0, ttft: -0.5, "prompt_tokens": 10**400, "output_tokens": 1},
+    ])])
+    hist = latest.snapshot().histograms[ttft]
+    assert hist[("node-a", "0", "")][0][-1] == ("+Inf", 2.0)  # inf and -0.5
+    assert hist[("node-a", "[0, 1]", "")][0][-1] == ("+Inf", 1.0)
+    with urllib.request.urlopen(served(latest).url, timeout=10) as resp:
+        assert resp.status == 200 and b"gpudiag_" in resp.read()
 
 
 def test_request_rows_of_changing_shapes_are_observed_each_by_its_own_shape():
