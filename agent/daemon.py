@@ -73,7 +73,9 @@ FLUSH_INTERVAL_S = 1.0
 # The tracker's join and the flush follow the probes' ticks (Pulse): each runs at the first tick
 # from EARLIEST to LATEST of its interval after its last run, or at LATEST without one. A quarter
 # either side: a probe on the same interval is always inside, so the work locks on right behind
-# it, and work that no probe paces still runs at least every 5/4 of its interval.
+# it whatever its phase, and work that no probe paces still runs at least every 5/4 of its
+# interval. Probes that tick faster than the work pull it a little early: it runs at the first
+# tick after 3/4 of its interval.
 PULSE_EARLIEST = 0.75
 PULSE_LATEST = 1.25
 # An analysis and a seal each hold 13-15 MB of temporary arrays for a moment (8 GPUs x 16
