@@ -80,6 +80,7 @@ from gpudiag.catalog import (
     INFO,
     M,
     request_context_bucket,
+    token_count,
 )
 from gpudiag.catalog import Metric as CatalogMetric
 from gpudiag.errors import GpudiagError
@@ -127,35 +128,31 @@ def _number(v) -> float:
 _PLAIN_NUMBERS = frozenset((int, float))
 
 
-def _numbers(values: list, *, bools: bool = True) -> np.ndarray:
-    """:func:`_number` of each value as float64 (bools as 1/0, or NaN when not ``bools``).
+def _numbers(values: list, one=_number) -> np.ndarray:
+    """``one`` (:func:`_number`, :func:`_token_count`) of each value, as float64.
 
-    Plain ints and floats, the usual case, convert in one step.
+    Plain ints and floats, the usual case, convert in one step (the same for either).
     """
     if set(map(type, values)) <= _PLAIN_NUMBERS:
         try:
             return np.array(values, dtype=np.float64)
         except OverflowError:  # an int past any float: value by value below
             pass
-    return np.fromiter(map(_number if bools else _token_count, values), dtype=np.float64, count=len(values))
+    return np.fromiter(map(one, values), dtype=np.float64, count=len(values))
 
 
 def _token_count(v) -> float:
-    """A token count as catalog.context_bucket reads one: a number, not a bool (a huge int: +-inf); else NaN."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return math.nan
-    try:
-        return float(v)
-    except OverflowError:
-        return math.inf if v > 0 else -math.inf
+    """catalog.token_count, NaN for None."""
+    got = token_count(v)
+    return math.nan if got is None else got
 
 
 def _context_buckets(rows: list[dict[str, Any]], keys: tuple[str, ...]) -> list[str | None]:
     """catalog.request_context_bucket of each row of one shape (from the token counts in one step)."""
     if "context_bucket" in keys or "prompt_tokens" not in keys or "output_tokens" not in keys:
         return [request_context_bucket(row) for row in rows]
-    tokens = _numbers(list(map(operator.itemgetter("prompt_tokens"), rows)), bools=False) \
-        + _numbers(list(map(operator.itemgetter("output_tokens"), rows)), bools=False)
+    tokens = _numbers(list(map(operator.itemgetter("prompt_tokens"), rows)), _token_count) \
+        + _numbers(list(map(operator.itemgetter("output_tokens"), rows)), _token_count)
     # The first bucket whose edge is at least the count, past the last edge the last; unknown
     # (NaN, negative) none. The same as catalog.context_bucket (a test holds them together).
     codes = np.searchsorted(_CONTEXT_EDGES, tokens, side="left")
@@ -241,7 +238,6 @@ class LatestFrames:
         self._histograms: dict[str, dict[tuple[str, ...], _Histogram]] = {}
         self._plans: dict[tuple[str, ...], list] = {}  # a request row's keys -> its histogram columns
         self._waiting: list[dict[str, Any]] = []  # request rows not counted yet (see MAX_WAITING_REQUESTS)
-        self._listeners: list = []
 
     def update(self, frames: Iterable[Frame]) -> None:
         """Take one tick's frames: rows of a kind replace that kind's previous rows.
@@ -249,7 +245,6 @@ class LatestFrames:
         Several frames of one kind in one call are joined (two probes may each give
         part of a kind). ``request`` rows are observations for the latency histograms.
         """
-        frames = list(frames)
         by_kind: dict[str, list[dict[str, Any]]] = {}
         for fr in frames:
             by_kind.setdefault(fr.kind, []).extend(fr.rows)
@@ -260,8 +255,6 @@ class LatestFrames:
                 self._waiting.extend(row for row in requests if isinstance(row, dict))
                 if len(self._waiting) >= MAX_WAITING_REQUESTS:
                     self._count_waiting()
-        for listener in list(self._listeners):
-            listener(frames)
 
     def _count_waiting(self) -> None:
         """Count the waiting request rows into the histograms (the caller holds the lock)."""
@@ -364,10 +357,6 @@ class LatestFrames:
             out.append(d)
         with self._lock:
             self._findings = out
-
-    def add_listener(self, listener) -> None:
-        """Call ``listener(frames)`` after every :meth:`update` (the OTLP exporter records histograms so)."""
-        self._listeners.append(listener)
 
     def snapshot(self) -> Snapshot:
         """A consistent copy of what a scrape exports."""

@@ -16,6 +16,7 @@ Prometheus naming asks.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -56,13 +57,23 @@ def context_bucket(tokens) -> str | None:
     return CONTEXT_BUCKETS[-1]
 
 
+def token_count(v) -> float | None:
+    """A request's token count as a float (an int no float holds: +-inf); None for what is no number (a bool)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        return float(v)
+    except OverflowError:
+        return math.inf if v > 0 else -math.inf
+
+
 def request_context_bucket(row) -> str | None:
     """A request row's ``context_bucket``: its own, else from its prompt and output tokens (None if unknown)."""
     given = row.get("context_bucket")
     if isinstance(given, str) and given:
         return given
-    prompt, output = row.get("prompt_tokens"), row.get("output_tokens")
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (prompt, output)):
+    prompt, output = token_count(row.get("prompt_tokens")), token_count(row.get("output_tokens"))
+    if prompt is None or output is None:
         return None
     return context_bucket(prompt + output)  # NaN or negative: None
 

@@ -276,7 +276,7 @@ def test_request_rows_counted_in_batches_make_the_histograms_one_by_one_counting
 
 def test_the_context_bucket_of_many_requests_at_once_is_catalogs_of_each():
     values = [0, 1, 511, 512, 513, 2047, 2048, 2049, 8192, 32768, 32769, -1, 0.5, 511.5, float("nan"),
-              float("inf"), float("-inf"), None, True, False, "300", 2**80, -(2**80)]
+              float("inf"), float("-inf"), None, True, False, "300", 2**80, -(2**80), 10**400, -(10**400)]
     rows = [{"prompt_tokens": p, "output_tokens": o} for p in values for o in (0, 1, 2**80, None, 12.5, True)]
     assert prom_exporter._context_buckets(rows, tuple(rows[0])) == [request_context_bucket(r) for r in rows]
 
@@ -301,6 +301,7 @@ def test_hostile_request_rows_are_no_observation_and_never_break_a_scrape(served
         {"gpu": 0, ttft: 10**400},  # no float holds it: not an observation
         {"gpu": [0, 1], ttft: 0.2},  # a list for a label: its text
         "not a row",
+        None,
         {"gpu": 0, ttft: float("inf")},
         {"gpu": 0, ttft: -0.5, "prompt_tokens": 10**400, "output_tokens": 1},
     ])])
