@@ -1192,12 +1192,15 @@ def _at_resolution(name: str, a):
     return a
 
 
-def encode_block(columns: dict, n: int, *, sealed: bool = True, twin: dict | None = None) -> bytes:
+def encode_block(columns: dict, n: int, *, sealed: bool = True, twin: dict | None = None,
+                 repeats: dict | None = None) -> bytes:
     """Encode ``n`` rows given as columns (numpy arrays, or flattened dict columns) into one block.
 
     ``sealed=False`` writes a fresh block: cheap codecs, the fastest compression level, rows in
     their appended order. Per-request latencies are rounded to the microsecond. ``twin`` (fresh
     blocks only) is filled with what decoding the block gives back (see :func:`encode_fresh`).
+    ``repeats`` (fresh blocks only): the string columns of the kind's last fresh block, by name,
+    kept up to date here; a column equal to its entry reuses that encoding (see :func:`encode_fresh`).
     """
     columns = {k: _at_resolution(k, v) for k, v in columns.items()}
     if sealed:
@@ -1214,11 +1217,28 @@ def encode_block(columns: dict, n: int, *, sealed: bool = True, twin: dict | Non
     for name, a in columns.items():
         if order is not None:
             a = a.take(order) if isinstance(a, _DictColumn) else a[order]
+        strings = repeats is not None and isinstance(a, np.ndarray) and a.dtype == object
+        if strings:
+            values = a.tolist()
+            repeated = _repeated(repeats.get(name), values)
+            if repeated is not None:
+                meta, frame = repeated
+                frames.append(frame)
+                if twin is not None:
+                    twin[name] = a
+                body += len(frame)
+                header["columns"].append(meta)
+                continue
         parts_of = None
         if sealed and name in SUM_OF_PARTS and all(p in columns for p in SUM_OF_PARTS[name]):
             parts_of = {p: columns[p] if order is None else columns[p][order] for p in SUM_OF_PARTS[name]}
         meta, parts = _encode_column(a, sealed=sealed, parts_of=parts_of)
         frames.append(_compress_parts(parts, n, level, sealed))
+        if strings:
+            if meta["codec"] == "jsonlist" and set(map(type, values)) <= _STR_OR_NONE:
+                repeats[name] = (values, meta, frames[-1])
+            else:
+                repeats.pop(name, None)
         if twin is not None and not sealed:
             twin[name] = _InBlock(body, len(frames[-1]), a.dtype) if meta["codec"] == "raw" \
                 else _twin_of(a, meta, parts)
@@ -1253,7 +1273,7 @@ class _InBlock:
         return np.frombuffer(_decompress(memoryview(block)[self.at:self.at + self.z]), dtype=self.dtype)
 
 
-def encode_fresh(columns: dict, n: int) -> tuple[bytes, dict]:
+def encode_fresh(columns: dict, n: int, repeats: dict | None = None) -> tuple[bytes, dict]:
     """A fresh block of ``n`` rows and its twin: the columns decoding it (raw, dicts flattened) gives back.
 
     A seal merges an interval's fresh blocks; with the twins kept from the flush that wrote
@@ -1261,9 +1281,29 @@ def encode_fresh(columns: dict, n: int) -> tuple[bytes, dict]:
     (dicts, lists, mixed) is read back from the very JSON text the block holds, so the twin
     equals the decoded block value for value and a seal from either is the same block. A
     number column stays in the block: the twin holds where (an :class:`_InBlock`).
+
+    ``repeats`` is a kind's memory of its last block's string columns. A node's names, uuids
+    and labels are the same second after second; a column equal to the one before (compared in
+    C, a fraction of the cost of writing its JSON and compressing it) takes that column's frame
+    and header entry as they are, so the block is byte for byte what encoding it anew makes.
     """
     twin: dict = {}
-    return encode_block(columns, n, sealed=False, twin=twin), twin
+    return encode_block(columns, n, sealed=False, twin=twin, repeats=repeats), twin
+
+
+def _repeated(entry: tuple | None, values: list) -> tuple[dict, bytes] | None:
+    """(header entry, frame) of a string column equal to ``entry``'s values; None: encode it.
+
+    ``entry`` holds only strings and None, so equal values are strings (or str subclasses, which
+    JSON writes alike) and None at the same places: their JSON text is the entry's.
+    """
+    if entry is None:
+        return None
+    try:
+        same = entry[0] == values
+    except Exception:  # noqa: BLE001 - a value whose comparison fails is simply not a repeat
+        same = False
+    return (entry[1], entry[2]) if same else None
 
 
 _STR_OR_NONE = frozenset((str, type(None)))
@@ -2381,6 +2421,7 @@ class Store:
         # Per kind, the twins (encode_fresh) of the fresh chunks this writer committed, by rowid:
         # (t_end, rows, columns). A seal takes them instead of decoding the chunks it merges.
         self._twins: dict[str, dict[int, tuple[float, int, dict]]] = {}
+        self._repeats: dict[str, dict] = {}  # per kind, its last fresh block's string columns (encode_fresh)
         self._pending_findings: dict[str, dict] = {}
         self._errors: dict[str, int] = {}
         self._logged: set[str] = set()
@@ -2656,7 +2697,7 @@ class Store:
         for kind, frames in by_kind.items():
             n, columns = _columns_from_frames(frames)
             ts = columns["t"]
-            block, twin = encode_fresh(columns, n)
+            block, twin = encode_fresh(columns, n, self._repeats.setdefault(kind, {}))
             chunk = _Chunk(kind, float(ts.min()), float(ts.max()), _uniform_node(columns), n, block, twin)
             self._backlog.append(chunk)
             self._backlog_bytes += len(chunk.block)

@@ -322,6 +322,66 @@ def test_a_fresh_chunk_decodes_equal_dicts_of_strings_as_one_object():
     assert len({id(d) for d in got}) == 1  # 200 rows, one dict: a seal of a busy node holds ~40 000 of them
 
 
+def test_a_string_column_repeated_from_the_last_fresh_block_is_written_byte_for_byte_as_anew(monkeypatch):
+    # A node's names and uuids are the same every second: a fresh block takes a string column equal to
+    # the kind's last one from it instead of writing its JSON again. The blocks and their twins must be
+    # what encoding each anew gives, whatever the columns turn into from one second to the next.
+    from gpudiag.agent import store as store_module
+    from gpudiag.agent.store import _columns_from_frames, encode_fresh
+
+    class Name(str):
+        pass
+
+    names = ["python3", "worker", None, "python3"]
+    seconds = [
+        names,
+        list(names),  # equal, another list
+        [Name(v) if v else v for v in names],  # str subclasses: the same JSON
+        ["python3", "worker", "late", "python3"],  # a value changes
+        ["python3", "worker", float("nan"), "python3"],  # NaN where a string was: numbers are not strings
+        ["python3", "worker", "late", "python3"],
+        ["python3", "worker", 7, "python3"],  # an int among strings
+        ["python3", "worker", 7.0, "python3"],  # equal to the int, but JSON writes it otherwise
+        ["python3", "worker", "late", "python3"],
+        ["python3", "worker", "late", "python3"],
+        ["python3", "worker", "late"],  # a row fewer
+        ["python3", "worker", "late"],
+    ]
+    encoded: list[str] = []
+    real = store_module._encode_column
+    monkeypatch.setattr(store_module, "_encode_column",
+                        lambda a, **kw: encoded.append(a.tolist()) or real(a, **kw))
+    repeats: dict = {}
+    for i, values in enumerate(seconds):
+        rows = [{"pid": j, "process": v, "uuid": "GPU-1"} for j, v in enumerate(values)]
+        n, columns = _columns_from_frames([Frame("process", T0 + i, rows)])
+        encoded.clear()
+        block, twin = encode_fresh(columns, n, repeats)
+        anew = list(encoded)
+        want_block, want_twin = encode_fresh(columns, n)
+        assert block == want_block, i
+        assert decode_block(block)[1]["process"].tolist() == decode_block(want_block)[1]["process"].tolist()
+        assert twin["process"].tolist() == want_twin["process"].tolist()
+        assert twin.keys() == want_twin.keys()
+        # Written anew only when it differs from the second before (or that one was not all strings).
+        fresh = i == 0 or not (values == seconds[i - 1] and set(map(type, seconds[i - 1])) <= {str, Name, type(None)})
+        assert (values in anew) == fresh, (i, anew)
+        assert (["GPU-1"] * len(values) in anew) == (i == 0 or len(values) != len(seconds[i - 1])), i
+
+
+def test_a_string_column_whose_comparison_fails_is_encoded_anew():
+    from gpudiag.agent.store import _repeated
+
+    class Hostile:
+        def __eq__(self, other):
+            raise RuntimeError("no comparing me")
+
+    entry = (["a", "b"], {"codec": "jsonlist"}, b"frame")
+    assert _repeated(entry, ["a", Hostile()]) is None
+    assert _repeated(entry, ["a", "b"]) == ({"codec": "jsonlist"}, b"frame")
+    assert _repeated(None, ["a", "b"]) is None
+
+
 def test_a_time_range_window_holds_exactly_the_rows_inside_it(tmp_path):
     path = str(tmp_path / "node.db")
     with Store.open(path, chunk_s=30) as store:
