@@ -538,6 +538,8 @@ def encode_text(registry) -> bytes:
     so only label values are escaped, and only when they need it. OpenMetrics-only
     samples (``_created``) are left out: the families here carry none.
     """
+    if type(registry) is FramesRegistry:
+        return samples_text(catalog_samples(registry.frames.latest.snapshot()))
     out: list[str] = []
     label_text: dict[tuple, str] = {}  # rows share label sets across their metrics: format each once
     for family in registry.collect():
@@ -562,11 +564,67 @@ def encode_text(registry) -> bytes:
     return "".join(out).encode("utf-8")
 
 
-def registry_for(latest: LatestFrames) -> CollectorRegistry:
+class FramesRegistry(CollectorRegistry):
+    """A registry holding only a :class:`FramesCollector`: :func:`encode_text` writes it straight from the samples."""
+
+    def __init__(self, latest: LatestFrames):
+        super().__init__(auto_describe=False)
+        self.frames = FramesCollector(latest)
+        self.register(self.frames)
+
+
+def registry_for(latest: LatestFrames) -> FramesRegistry:
     """A fresh registry holding only the frames collector (no process or platform collectors)."""
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(FramesCollector(latest))
-    return registry
+    return FramesRegistry(latest)
+
+
+def samples_text(samples: dict[str, dict[tuple[str, ...], Any]]) -> bytes:
+    """:func:`catalog_samples` in the Prometheus text format 0.0.4: what :func:`encode_text` makes of
+    :meth:`FramesCollector.collect`'s families, written without them.
+
+    A family object makes a label dict and a sample tuple for every value (a busy node has ~3300)
+    that the encoder then takes apart again: a third of a scrape. The names, types and label
+    sets here follow prometheus_client's families exactly (a counter is exposed as ``<name>_total``
+    with the suffix taken off the family name first; a histogram's ``_count`` and ``_sum`` are left
+    out when its first bucket is negative); the tests compare the two texts.
+    """
+    out: list[str] = []
+    label_text: dict[tuple, str] = {}
+    for column, per_labels in samples.items():
+        metric = CATALOG[column]
+        names = metric.labels
+        if metric.type == COUNTER:
+            name = (metric.name[:-6] if metric.name.endswith("_total") else metric.name) + "_total"
+        else:
+            name = metric.name
+        typ = "histogram" if metric.type == HISTOGRAM else "counter" if metric.type == COUNTER else "gauge"
+        doc = metric.help.replace("\\", "\\\\").replace("\n", "\\n")
+        out.append(f"# HELP {name} {doc}\n# TYPE {name} {typ}\n")
+        for labels, value in per_labels.items():
+            key = (names, labels)
+            text = label_text.get(key)
+            if text is None:
+                text = label_text[key] = ",".join(f'{k}="{_escape_label(v)}"' for k, v in zip(names, labels))
+            if metric.type != HISTOGRAM:
+                v = floatToGoString(float(value))
+                out.append(f"{name}{{{text}}} {v}\n" if text else f"{name} {v}\n")
+                continue
+            if isinstance(value, ObservedHistogram):
+                buckets, total = value.buckets, value.sum
+            else:
+                buckets = _given_buckets(value)
+                if buckets is None:
+                    continue
+                total = float(value.get("sum") or 0.0)
+            sep = "," if text else ""
+            for le, n in buckets:
+                out.append(f'{name}_bucket{{{text}{sep}le="{_escape_label(le)}"}} {floatToGoString(n)}\n')
+            if float(buckets[0][0]) >= 0:
+                count = floatToGoString(buckets[-1][1])
+                out.append(f"{name}_count{{{text}}} {count}\n" if text else f"{name}_count {count}\n")
+                out.append(f"{name}_sum{{{text}}} {floatToGoString(total)}\n" if text
+                           else f"{name}_sum {floatToGoString(total)}\n")
+    return "".join(out).encode("utf-8")
 
 
 # --- basic auth ------------------------------------------------------------------------------

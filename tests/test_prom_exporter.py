@@ -612,3 +612,49 @@ def test_a_scraper_that_hangs_up_is_a_debug_line_and_a_handler_failure_one_error
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert [r.getMessage() for r in errors] == ["request from 127.0.0.1 failed: ValueError: cannot answer"]
     assert not any(r.exc_info for r in errors)
+
+
+def _through_families(latest: LatestFrames) -> bytes:
+    """The text prometheus_client's family objects make of the collector (encode_text's general path)."""
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(prom_exporter.FramesCollector(latest))
+    return prom_exporter.encode_text(registry)
+
+
+def test_the_text_written_straight_from_the_samples_is_the_text_of_the_family_objects(monkeypatch):
+    # A scrape writes the samples without prometheus_client's family objects; the text must be what
+    # they make of the same samples, byte for byte: every catalog metric with all its labels, label
+    # values that need escaping, both dialects, findings and self-metrics, observed histograms, a
+    # probe's own histograms (one with a negative first bucket has no _count and _sum), counters.
+    def odd(latest: LatestFrames) -> LatestFrames:
+        latest.update([Frame("cuda_api", T, [
+            {"node": 'node "a"\\b\nc', "pid": 4000, "process": "py\\thon", "api": "cudaFree",
+             M.cuda_api_calls_total: 2**70,
+             M.cuda_api_latency_seconds: {"buckets": [(-1.0, 1.0), (2.5e-7, 3.0)], "sum": 1e-6, "count": 3}},
+            {"node": "node-a", "pid": 4001, "process": "p", "api": "cudaMalloc", M.cuda_api_calls_total: 0.1,
+             M.cuda_api_latency_seconds: {"buckets": [(1e-06, 2.0), (float("inf"), 5.0)], "sum": 7e-6, "count": 5}},
+            {"node": "node-a", "pid": 4002, "process": "p", "api": "cudaMemcpy", M.cuda_api_calls_total: 1,
+             M.cuda_api_latency_seconds: {"buckets": "not buckets", "sum": 1.0}},
+        ])])
+        return latest
+
+    cases = [latest_with_findings(), latest_with_findings(export_engine_dialect=True), every_catalog_metric(),
+             odd(LatestFrames(node="node-a")), LatestFrames()]
+    def no_families(self):
+        raise AssertionError("the agent's registry is written without family objects")
+
+    texts = []
+    for i, latest in enumerate(cases):
+        want = _through_families(latest)
+        with monkeypatch.context() as m:
+            m.setattr(prom_exporter.FramesCollector, "collect", no_families)
+            texts.append(prom_exporter.encode_text(registry_for(latest)))
+        assert texts[-1] == want, i
+    got = texts[3].decode()
+    assert 'gpudiag_cuda_api_latency_seconds_count{node="node-a",pid="4001",process="p",api="cudaMalloc"} 5.0' in got
+    assert 'le="-1.0"' in got and 'node="node \\"a\\"\\\\b\\nc"' in got
+    assert 'gpudiag_cuda_api_latency_seconds_sum{node="node \\"a' not in got  # a negative first bucket: no _sum
+    assert 'pid="4002"' in got and 'gpudiag_cuda_api_latency_seconds_bucket{node="node-a",pid="4002"' not in got
+    assert texts[4] == b""
