@@ -2430,6 +2430,10 @@ class Store:
         self._schema_version = 0
         self._dropped_rows = 0
         self._last_flush_s: float | None = None
+        # The database's used bytes as the last flush's transaction left them (health() reports them
+        # every second: read inside a write transaction they cost no transaction of their own);
+        # None after anything else wrote, to be read again.
+        self._db_bytes: int | None = None
         self._last_retention = 0.0
         self._last_reopen = 0.0
         self._oldest_fresh: dict[str, float | None] = {}
@@ -2563,6 +2567,7 @@ class Store:
             self._failed(kind, exc, "cannot open the store for writing")
             return False
         self._conn = conn
+        self._db_bytes = None
         self._load_spans()
         if not first:
             self._recovered()
@@ -2752,6 +2757,7 @@ class Store:
                         (str(d["id"]), d["kind"], str(d["severity"]), float(d["start_s"]),
                          None if d.get("end_s") is None else float(d["end_s"]),
                          json.dumps(d, default=str), d.get("node"), d.get("gpu")))
+                used = self._used_bytes(conn)
                 conn.execute("COMMIT")
             except sqlite3.Error as exc:
                 self._rollback()
@@ -2761,6 +2767,7 @@ class Store:
                 return 0
             self._backlog.clear()
             self._backlog_bytes = 0
+            self._db_bytes = used
             for c, rowid in zip(chunks, rowids):
                 if c.twin is not None:
                     self._twins.setdefault(c.kind, {})[rowid] = (c.t_end, c.n_rows, c.twin)
@@ -2845,6 +2852,8 @@ class Store:
                 except BaseException:
                     self._rollback()
                     raise
+                finally:
+                    self._db_bytes = None
                 seals += 1
             self._oldest_fresh[kind] = conn.execute(f"SELECT min(t_start) FROM {t} WHERE sealed = 0").fetchone()[0]
             if seals >= MAX_SEALS_PER_FLUSH and not final:
@@ -2906,6 +2915,7 @@ class Store:
         self._need_writer()
         with self._mutex:
             self._last_retention = time.monotonic()
+            self._db_bytes = None
             conn = self._conn
             if conn is None:
                 return 0
@@ -3129,10 +3139,10 @@ class Store:
         when the in-memory buffer overflowed.
         """
         with self._mutex:
-            db_bytes = None
-            if self._conn is not None:
+            db_bytes = self._db_bytes if self._conn is not None else None
+            if db_bytes is None and self._conn is not None:
                 try:
-                    db_bytes = self._used_bytes(self._conn)
+                    db_bytes = self._db_bytes = self._used_bytes(self._conn)
                 except sqlite3.Error:
                     pass
             return {

@@ -961,6 +961,35 @@ def test_retention_by_size_keeps_the_file_under_max_bytes_and_the_newest_frames(
     assert health["db_bytes"] >= 0.8 * max_bytes * SIZE_RETENTION_TARGET_RATIO
 
 
+def test_the_used_bytes_reported_every_second_are_the_databases_after_flushes_seals_and_retention(tmp_path):
+    # health() reports the used bytes every second; they are read inside the flush's own write
+    # transaction, and read again after a seal or retention: always what the database holds.
+    def truth(path: str) -> int:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            pages, free, size = (conn.execute(f"PRAGMA {p}").fetchone()[0]
+                                 for p in ("page_count", "freelist_count", "page_size"))
+            return (pages - free) * size
+        finally:
+            conn.close()
+
+    path = str(tmp_path / "node.db")
+    seen = set()
+    with Store.open(path, retention_s=60, chunk_s=30) as store:
+        assert store.health()["db_bytes"] == truth(path)
+        for tick in range(200):
+            store.append(node_frames(tick))
+            if tick % 50 == 7:
+                store.upsert_finding(Finding(f"f{tick}", Severity.INFO, T0 + tick, T0 + tick + 1, "x"))
+            store.flush()
+            got = store.health()["db_bytes"]
+            assert got == truth(path), tick
+            seen.add(got)
+        assert store.enforce_retention() > 0
+        assert store.health()["db_bytes"] == truth(path)
+    assert len(seen) > 10  # it moved with the writes
+
+
 def _write_schema_1(path: str) -> None:
     """A store as schema 1 laid it out: no node/gpu columns on findings, zlib chunks."""
     conn = sqlite3.connect(path)
