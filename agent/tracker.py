@@ -59,10 +59,9 @@ NVML_NO_VALUE = ("NVML lists the process but gives no per-process memory (not av
                  "without privileges, or on WDDM)")
 
 _LABELS = ("node", "gpu", "uuid", "pid", "process")
-_TORCH_SIDE = {WHITE, GREY}
 _TORCH_MARKERS = (M.process_torch_allocated_bytes, M.process_torch_reserved_bytes, "white_missing_reason",
                   "torch_device")
-_REASON_KEYS = tuple((layer, f"{layer}_missing_reason") for layer in LAYER_COLUMNS)
+_REASON_KEYS = tuple((f"{layer}_missing_reason", layer) for layer in LAYER_COLUMNS)
 # The per-row reasons are a handful of fixed strings: made once, not per row and tick.
 _GAP_MISSING = {(column, outer_missing, inner_missing):
                 f"{' and '.join(la for la, miss in ((outer, outer_missing), (inner, inner_missing)) if miss)}"
@@ -72,17 +71,51 @@ _GAP_MISSING = {(column, outer_missing, inner_missing):
 # Distinct sets of reasons kept for sharing (a node has a few; sample counts add a few more).
 MAX_INTERNED_REASONS = 1024
 _SLOPE_MISSING = {layer: f"{layer} layer missing" for layer in SLOPE_COLUMNS}
-# Output key order per input key tuple: labels first, then the rest without the per-layer reasons.
-_ROW_ORDER: dict[tuple, tuple] = {}
+# Per joined-row key tuple: the output key order (labels first, no per-layer reasons), how to copy the
+# row into it (None: it already is in that order), which default reasons its layers get (2 * torch_row
+# + black_row) and whether it carries reasons of its own.
+_ROW_PLANS: dict[tuple, tuple] = {}
+_WHITE_COLUMN, _GREY_COLUMN, _BLACK_COLUMN = LAYER_COLUMNS.values()
+_ALLOCATOR_GAP, _DRIVER_GAP = GAP_COLUMNS  # grey - white, black - grey
+_SLOPE_KEYS = tuple((SLOPE_COLUMNS[layer], (SLOPE_COLUMNS[layer], _SLOPE_MISSING[layer])) for layer in LAYER_COLUMNS)
+_GAP_KEYS = tuple((column, list(LAYER_COLUMNS).index(outer), list(LAYER_COLUMNS).index(inner))
+                  for column, (outer, inner) in GAP_COLUMNS.items())
+_REPORTER_LACKS = "the in-process reporter does not give this figure"
 
 
-def _row_order(keys: tuple) -> tuple:
+def _row_plan(keys: tuple) -> tuple:
     labels = tuple(k for k in _LABELS if k in keys)
     order = labels + tuple(k for k in keys if k not in labels and not k.endswith("_missing_reason"))
-    if len(_ROW_ORDER) > 1024:  # key sets come from probes: bound the memo
-        _ROW_ORDER.clear()
-    _ROW_ORDER[keys] = order
-    return order
+    if order == keys:
+        copy = None
+    elif len(order) > 1:
+        copy = operator.itemgetter(*order)
+    else:  # an itemgetter of one key gives the value, not a tuple
+        copy = lambda row: tuple(row[k] for k in order)  # noqa: E731
+    black_row = M.process_gpu_memory_bytes in keys or "host_pid" in keys
+    torch_row = any(c in keys for c in _TORCH_MARKERS)
+    own_reasons = any(reason_key in keys for reason_key, _ in _REASON_KEYS)
+    if len(_ROW_PLANS) > 1024:  # key sets come from probes: bound the memo
+        _ROW_PLANS.clear()
+    plan = _ROW_PLANS[keys] = (order, copy, 2 * torch_row + black_row, own_reasons)
+    return plan
+
+
+def _head_reasons(shape: tuple, given: tuple, defaults: tuple) -> tuple:
+    """(column, reason) pairs for the missing layers, then for the gaps that depend on them.
+
+    ``shape`` is (plan's default-reason index, white missing, grey missing, black missing);
+    ``given`` the row's own reason per layer, ``defaults`` the reasons used where it gives none.
+    """
+    layers_missing = shape[1:]
+    pairs = [(column, reason or default)
+             for column, miss, reason, default in zip(LAYER_COLUMNS.values(), layers_missing, given, defaults)
+             if miss]
+    for column, outer, inner in _GAP_KEYS:
+        outer_missing, inner_missing = layers_missing[outer], layers_missing[inner]
+        if outer_missing or inner_missing:
+            pairs.append((column, _GAP_MISSING[column, outer_missing, inner_missing]))
+    return tuple(pairs)
 
 
 def least_squares_slope(points: Iterable[tuple[float, float]]) -> float | None:
@@ -123,9 +156,11 @@ class _Trend:
         self.st = self.sy = self.stt = self.sty = 0.0
 
     def add(self, t: float, y: float) -> None:
-        if self.t0 is None:
-            self.t0, self.y0 = t, y
-        dt, dy = t - self.t0, y - self.y0
+        t0 = self.t0
+        if t0 is None:
+            self.t0 = t0 = t
+            self.y0 = y
+        dt, dy = t - t0, y - self.y0
         self.ts.append(dt)
         self.ys.append(dy)
         self.n += 1
@@ -138,20 +173,30 @@ class _Trend:
         if self.t0 is None:
             return
         cutoff = t - self.t0
-        ts, ys, head, end = self.ts, self.ys, self.head, len(self.ts)
+        ts, head, end = self.ts, self.head, len(self.ts)
+        if not ts[head] < cutoff and self.removed < _REBASE_AFTER:
+            return  # nothing leaves (the common case before the window fills): nothing to cut either
+        ys, n, removed = self.ys, self.n, self.removed
+        st, sy, stt, sty = self.st, self.sy, self.stt, self.sty
         while head < end and ts[head] < cutoff:
             dt, dy = ts[head], ys[head]
-            self.n -= 1
-            self.st -= dt
-            self.sy -= dy
-            self.stt -= dt * dt
-            self.sty -= dt * dy
-            self.removed += 1
+            n -= 1
+            st -= dt
+            sy -= dy
+            stt -= dt * dt
+            sty -= dt * dy
+            removed += 1
             head += 1
+        self.n = n
+        self.removed = removed
         self.head = head
+        self.st = st
+        self.sy = sy
+        self.stt = stt
+        self.sty = sty
         if head == end:
             self.__init__()
-        elif self.removed >= _REBASE_AFTER:
+        elif removed >= _REBASE_AFTER:
             self._rebase()
         elif head >= 1024 and 2 * head >= end:
             del ts[:head]
@@ -171,12 +216,14 @@ class _Trend:
         return self.ts[-1] - self.ts[self.head] if len(self.ts) > self.head else 0.0
 
     def slope(self) -> float | None:
-        if self.n < 2:
+        n = self.n
+        if n < 2:
             return None
-        sxx = self.stt - self.st * self.st / self.n
-        if sxx <= 1e-12 * max(1.0, self.stt):
+        st, stt = self.st, self.stt
+        sxx = stt - st * st / n
+        if sxx <= 1e-12 * (stt if stt > 1.0 else 1.0):  # max(1.0, stt), NaN included
             return None
-        return (self.sty - self.st * self.sy / self.n) / sxx
+        return (self.sty - st * self.sy / n) / sxx
 
 
 @dataclass
@@ -199,26 +246,52 @@ class ThreeColourTracker:
         self._reasons: dict[tuple, dict[str, str]] = {}
 
     @staticmethod
-    def _keyed(rows: list[dict[str, Any]]) -> list[tuple[tuple[str, Any], dict[str, Any]]]:
-        """Fill in gpu from uuid (and back) from the rows that carry both, then key each row."""
+    def _joined(rows: list[dict[str, Any]]) -> tuple[dict[tuple[str, Any], dict[str, Any]], dict[tuple, dict]]:
+        """Key each row by (GPU, pid) and merge the rows of one entity; also the reasons of merged entities.
+
+        The gpu is filled in from the uuid (and back) from the rows that carry both. An entity's
+        first row is taken whole (a copy); later ones fill in what it lacks. A merged entity's
+        per-layer reasons are the first given by any of its rows (not the merged row's, which the
+        later rows overwrite); a lone row's are its own.
+        """
         uuid_of: dict[Any, str] = {}
         gpu_of: dict[str, Any] = {}
         for r in rows:
-            if r.get("uuid") and r.get("gpu") is not None:
-                uuid_of.setdefault(r["gpu"], r["uuid"])
-                gpu_of.setdefault(r["uuid"], r["gpu"])
-        out = []
+            uuid, gpu = r.get("uuid"), r.get("gpu")
+            if uuid and gpu is not None:
+                uuid_of.setdefault(gpu, uuid)
+                gpu_of.setdefault(uuid, gpu)
+        joined: dict[tuple[str, Any], dict[str, Any]] = {}
+        told: dict[tuple, dict] = {}
         for r in rows:
-            if r.get("pid") is None:
+            pid = r.get("pid")
+            if pid is None:
                 continue
             uuid, gpu = r.get("uuid"), r.get("gpu")
             if not uuid and gpu is not None:
                 uuid = uuid_of.get(gpu)
             if gpu is None and uuid:
                 gpu = gpu_of.get(uuid)
-            device = uuid if uuid else f"gpu{gpu}"
-            out.append(((device, int(r["pid"])), dict(r, uuid=uuid, gpu=gpu)))
-        return out
+            key = (uuid if uuid else f"gpu{gpu}", int(pid))
+            row = dict(r, uuid=uuid, gpu=gpu)
+            merged = joined.get(key)
+            if merged is None:
+                joined[key] = row
+                continue
+            reasons = told.get(key)
+            if reasons is None:  # merged is still the entity's first row
+                reasons = told[key] = {layer: merged[rk] for rk, layer in _REASON_KEYS if merged.get(rk)}
+            for rk, layer in _REASON_KEYS:
+                reason = row.get(rk)
+                if reason:
+                    reasons.setdefault(layer, reason)
+            for k, v in row.items():
+                if k == "process" and merged.get(k):
+                    continue  # the first name seen (NVML/procfs) wins over a reporter's
+                if v is None and k in merged:
+                    continue
+                merged[k] = v
+        return joined, told
 
     def update(self, now: float, frames: Iterable[Frame], layer_notes: dict[str, str] | None = None) -> Frame:
         """Join this tick's process frames; returns a "process" frame with layers, gaps, slopes and reasons.
@@ -228,116 +301,93 @@ class ThreeColourTracker:
         probe's own "NVML library not found").
         """
         rows = [r for fr in frames if fr.kind == "process" for r in fr.rows]
-        joined: dict[tuple[str, Any], dict[str, Any]] = {}
-        sources: dict[tuple[str, Any], dict[str, Any]] = {}
-        for key, row in self._keyed(rows):
-            merged = joined.get(key)
-            if merged is None:
-                src = sources[key] = {"black_row": False, "torch_row": False, "reasons": {}}
-            else:
-                src = sources[key]
-            if M.process_gpu_memory_bytes in row or "host_pid" in row:
-                src["black_row"] = True
-            if not src["torch_row"] and any(c in row for c in _TORCH_MARKERS):
-                src["torch_row"] = True
-            for layer, reason_key in _REASON_KEYS:
-                reason = row.get(reason_key)
-                if reason:
-                    src["reasons"].setdefault(layer, reason)
-            if merged is None:
-                joined[key] = row  # the first row of an entity is taken whole (rows from _keyed are copies)
-                continue
-            for k, v in row.items():
-                if k in ("process",) and merged.get(k):
-                    continue  # the first name seen (NVML/procfs) wins over a reporter's
-                if v is None and k in merged:
-                    continue
-                merged[k] = v
+        joined, told = self._joined(rows)
         notes = layer_notes or {}
-        out = []
-        for key, merged in sorted(joined.items(), key=lambda kv: (str(kv[1].get("gpu")), kv[0][1])):
-            out.append(self._derive(now, key, merged, sources[key], notes))
-        self._forget(now)
+        # Default reasons of (white, grey, black) per row plan's 2 * torch_row + black_row.
+        no_torch = (notes.get(WHITE) or NO_REPORTER, notes.get(GREY) or NO_REPORTER)
+        no_black, with_black = notes.get(BLACK) or NVML_NOT_LISTED, NVML_NO_VALUE
+        defaults = (no_torch + (no_black,), no_torch + (with_black,),
+                    (_REPORTER_LACKS, _REPORTER_LACKS, no_black), (_REPORTER_LACKS, _REPORTER_LACKS, with_black))
+        heads: dict[tuple, tuple] = {}  # the layers' and gaps' reasons of rows that give none of their own
+        derive, cutoff = self._derive, now - self.window_s
+        out = [derive(now, key, merged, told.get(key), defaults, heads, cutoff)
+               for key, merged in sorted(joined.items(), key=lambda kv: (str(kv[1]["gpu"]), kv[0][1]))]
+        self._forget(now, len(joined))
         self._latest = out
         return Frame("process", now, out)
 
-    def _derive(self, now, key, merged, src, notes) -> dict[str, Any]:
+    def _derive(self, now, key, merged, told, defaults, heads, cutoff) -> dict[str, Any]:
         keys = tuple(merged)
-        order = _ROW_ORDER.get(keys)
-        if order is None:
-            order = _row_order(keys)
-        if order == keys:  # labels first, no reasons: the joined row (a private copy) is the output row
-            row = merged
+        plan = _ROW_PLANS.get(keys)
+        if plan is None:
+            plan = _row_plan(keys)
+        order, copy, kind, own_reasons = plan
+        # In order already (labels first, no reasons): the joined row (a private copy) is the output row.
+        row = merged if copy is None else dict(zip(order, copy(merged)))
+        values = (merged.get(_WHITE_COLUMN), merged.get(_GREY_COLUMN), merged.get(_BLACK_COLUMN))
+        white, grey, black = values
+        shape = (kind, white is None, grey is None, black is None)
+        if told is None and not own_reasons:
+            head = heads.get(shape)
+            if head is None:
+                head = heads[shape] = _head_reasons(shape, (None, None, None), defaults[kind])
         else:
-            row = dict(zip(order, operator.itemgetter(*order)(merged))) if len(order) > 1 else \
-                {k: merged[k] for k in order}
-        reasons: dict[str, str] = {}
-        values: dict[str, float | None] = {}
-        for layer, column in LAYER_COLUMNS.items():
-            value = merged.get(column)
-            values[layer] = value
-            row[column] = value
-            if value is None:
-                reasons[column] = src["reasons"].get(layer) or self._default_reason(layer, src, notes)
-        for column, (outer, inner) in GAP_COLUMNS.items():
-            vo, vi = values[outer], values[inner]
-            if vo is not None and vi is not None:
-                row[column] = vo - vi
-            else:
-                row[column] = None
-                reasons[column] = _GAP_MISSING[column, vo is None, vi is None]
+            given = tuple(told.get(layer) for layer in LAYER_COLUMNS) if told is not None else \
+                tuple(merged.get(reason_key) for reason_key, _ in _REASON_KEYS)
+            head = _head_reasons(shape, given, defaults[kind])
+        if white is None:
+            row[_WHITE_COLUMN] = None
+        if grey is None:
+            row[_GREY_COLUMN] = None
+        if black is None:
+            row[_BLACK_COLUMN] = None
+        row[_ALLOCATOR_GAP] = None if grey is None or white is None else grey - white
+        row[_DRIVER_GAP] = None if black is None or grey is None else black - grey
         history = self._history.get(key)
         if history is None:
             history = self._history[key] = _History()
         history.last_seen = now
-        cutoff = now - self.window_s
-        for layer, column in SLOPE_COLUMNS.items():
-            trend = history.trends[layer]
-            value = values[layer]
-            if value is not None:
-                trend.add(now, float(value))
+        min_samples, min_span_s = self.min_samples, self.min_span_s
+        tail = []  # the slopes' reasons
+        for (column, missing_pair), trend, value in zip(_SLOPE_KEYS, history.trends.values(), values):
+            if value is None:
+                if trend.t0 is not None:
+                    trend.drop_before(cutoff)
+                row[column] = None
+                tail.append(missing_pair)
+                continue
+            trend.add(now, float(value))
             trend.drop_before(cutoff)
             slope = None
-            if value is None:
-                reasons[column] = _SLOPE_MISSING[layer]
-            elif trend.n < self.min_samples:
-                reasons[column] = f"{trend.n} of {self.min_samples} samples needed for a trend"
-            elif trend.span_s < self.min_span_s:
-                reasons[column] = f"samples span less than {self.min_span_s:g} s"
+            if trend.n < min_samples:
+                tail.append((column, f"{trend.n} of {min_samples} samples needed for a trend"))
+            elif trend.span_s < min_span_s:
+                tail.append((column, f"samples span less than {min_span_s:g} s"))
             else:
                 slope = trend.slope()
                 if slope is None:
-                    reasons[column] = "all samples at one instant"
+                    tail.append((column, "all samples at one instant"))
             row[column] = slope
-        row["missing_reasons"] = self._interned(reasons)
+        row["missing_reasons"] = self._interned(head + tuple(tail))
         return row
 
-    def _interned(self, reasons: dict[str, str]) -> dict[str, str]:
-        """One shared (read-only) dict per distinct set of reasons.
+    def _interned(self, reasons: tuple[tuple[str, str], ...]) -> dict[str, str]:
+        """One shared (read-only) dict per distinct set of (column, reason) pairs.
 
         A process's reasons are the same second after second, and the same for every process
         without a reporter: shared, the store writes each distinct set once per chunk instead of
         once per row (~600 bytes of JSON x 128 processes a second on a busy node).
         """
-        key = tuple(reasons.items())
-        got = self._reasons.get(key)
+        got = self._reasons.get(reasons)
         if got is None:
             if len(self._reasons) >= MAX_INTERNED_REASONS:
                 self._reasons.clear()  # reasons that count samples change; never let them pile up
-            got = self._reasons[key] = reasons
+            got = self._reasons[reasons] = dict(reasons)
         return got
 
-    @staticmethod
-    def _default_reason(layer: str, src: dict[str, Any], notes: dict[str, str]) -> str:
-        if layer in _TORCH_SIDE:
-            if src["torch_row"]:
-                return "the in-process reporter does not give this figure"
-            return notes.get(layer) or NO_REPORTER
-        if src["black_row"]:
-            return NVML_NO_VALUE
-        return notes.get(layer) or NVML_NOT_LISTED
-
-    def _forget(self, now: float) -> None:
+    def _forget(self, now: float, seen: int) -> None:
+        if seen == len(self._history) and self.forget_after_s >= 0:
+            return  # every entity was seen at now: none is older than forget_after_s
         for key in [k for k, h in self._history.items() if now - h.last_seen > self.forget_after_s]:
             del self._history[key]
 
