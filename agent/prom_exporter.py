@@ -452,12 +452,9 @@ class FramesCollector:
             if metric.type == HISTOGRAM:
                 fam = HistogramMetricFamily(metric.name, metric.help, labels=metric.labels)
                 for labels, value in per_labels.items():
-                    if isinstance(value, ObservedHistogram):
-                        fam.add_metric(labels, value.buckets, value.sum)
-                    else:
-                        buckets = _given_buckets(value)
-                        if buckets is not None:
-                            fam.add_metric(labels, buckets, float(value.get("sum") or 0.0))
+                    got = _histogram(value)
+                    if got is not None:
+                        fam.add_metric(labels, *got)
                 yield fam
             else:
                 # An info metric is a gauge of 1 whose labels are the facts (what the text
@@ -506,6 +503,14 @@ def catalog_samples(snap: Snapshot) -> dict[str, dict[tuple[str, ...], Any]]:
     return out
 
 
+def _histogram(value) -> tuple[list[tuple[str, float]], float] | None:
+    """(exposition buckets, sum) of a histogram sample (accumulated or a probe's); None when malformed."""
+    if isinstance(value, ObservedHistogram):
+        return value.buckets, value.sum
+    buckets = _given_buckets(value)
+    return None if buckets is None else (buckets, float(value.get("sum") or 0.0))
+
+
 def _given_buckets(value: dict) -> list[tuple[str, float]] | None:
     """A probe's precomputed histogram as exposition buckets; None when malformed."""
     try:
@@ -529,6 +534,17 @@ def _escape_label(v: str) -> str:
     return v
 
 
+def _label_text(pairs) -> str:
+    """Label (name, value) pairs as the text format writes them inside the braces."""
+    return ",".join(f'{k}="{_escape_label(v)}"' for k, v in pairs)
+
+
+def _head(name: str, doc: str, typ: str) -> str:
+    """A family's HELP and TYPE lines."""
+    doc = doc.replace("\\", "\\\\").replace("\n", "\\n")
+    return f"# HELP {name} {doc}\n# TYPE {name} {_TEXT_TYPES.get(typ, 'untyped')}\n"
+
+
 def encode_text(registry) -> bytes:
     """The registry in the Prometheus text format 0.0.4.
 
@@ -544,8 +560,7 @@ def encode_text(registry) -> bytes:
     label_text: dict[tuple, str] = {}  # rows share label sets across their metrics: format each once
     for family in registry.collect():
         name = family.name + {"counter": "_total", "info": "_info"}.get(family.type, "")
-        doc = family.documentation.replace("\\", "\\\\").replace("\n", "\\n")
-        out.append(f"# HELP {name} {doc}\n# TYPE {name} {_TEXT_TYPES.get(family.type, 'untyped')}\n")
+        out.append(_head(name, family.documentation, family.type))
         created = family.name + "_created"
         for sample in family.samples:
             if sample.name == created:
@@ -554,7 +569,7 @@ def encode_text(registry) -> bytes:
                 key = tuple(sample.labels.items())
                 labels = label_text.get(key)
                 if labels is None:
-                    labels = label_text[key] = ",".join(f'{k}="{_escape_label(v)}"' for k, v in key)
+                    labels = label_text[key] = _label_text(key)
                 line = f"{sample.name}{{{labels}}} {floatToGoString(sample.value)}"
             else:
                 line = f"{sample.name} {floatToGoString(sample.value)}"
@@ -597,25 +612,20 @@ def samples_text(samples: dict[str, dict[tuple[str, ...], Any]]) -> bytes:
             name = (metric.name[:-6] if metric.name.endswith("_total") else metric.name) + "_total"
         else:
             name = metric.name
-        typ = "histogram" if metric.type == HISTOGRAM else "counter" if metric.type == COUNTER else "gauge"
-        doc = metric.help.replace("\\", "\\\\").replace("\n", "\\n")
-        out.append(f"# HELP {name} {doc}\n# TYPE {name} {typ}\n")
+        out.append(_head(name, metric.help, metric.type))
         for labels, value in per_labels.items():
             key = (names, labels)
             text = label_text.get(key)
             if text is None:
-                text = label_text[key] = ",".join(f'{k}="{_escape_label(v)}"' for k, v in zip(names, labels))
+                text = label_text[key] = _label_text(zip(names, labels))
             if metric.type != HISTOGRAM:
                 v = floatToGoString(float(value))
                 out.append(f"{name}{{{text}}} {v}\n" if text else f"{name} {v}\n")
                 continue
-            if isinstance(value, ObservedHistogram):
-                buckets, total = value.buckets, value.sum
-            else:
-                buckets = _given_buckets(value)
-                if buckets is None:
-                    continue
-                total = float(value.get("sum") or 0.0)
+            got = _histogram(value)
+            if got is None:
+                continue
+            buckets, total = got
             sep = "," if text else ""
             for le, n in buckets:
                 out.append(f'{name}_bucket{{{text}{sep}le="{_escape_label(le)}"}} {floatToGoString(n)}\n')

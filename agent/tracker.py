@@ -76,7 +76,6 @@ _SLOPE_MISSING = {layer: f"{layer} layer missing" for layer in SLOPE_COLUMNS}
 # + black_row) and whether it carries reasons of its own.
 _ROW_PLANS: dict[tuple, tuple] = {}
 _WHITE_COLUMN, _GREY_COLUMN, _BLACK_COLUMN = LAYER_COLUMNS.values()
-_ALLOCATOR_GAP, _DRIVER_GAP = GAP_COLUMNS  # grey - white, black - grey
 _SLOPE_KEYS = tuple((SLOPE_COLUMNS[layer], (SLOPE_COLUMNS[layer], _SLOPE_MISSING[layer])) for layer in LAYER_COLUMNS)
 _GAP_KEYS = tuple((column, list(LAYER_COLUMNS).index(outer), list(LAYER_COLUMNS).index(inner))
                   for column, (outer, inner) in GAP_COLUMNS.items())
@@ -341,8 +340,9 @@ class ThreeColourTracker:
             row[_GREY_COLUMN] = None
         if black is None:
             row[_BLACK_COLUMN] = None
-        row[_ALLOCATOR_GAP] = None if grey is None or white is None else grey - white
-        row[_DRIVER_GAP] = None if black is None or grey is None else black - grey
+        for column, outer, inner in _GAP_KEYS:
+            vo, vi = values[outer], values[inner]
+            row[column] = None if vo is None or vi is None else vo - vi
         history = self._history.get(key)
         if history is None:
             history = self._history[key] = _History()
