@@ -49,7 +49,7 @@ import numpy as np
 
 from gpudiag.catalog import M
 from gpudiag.findings import Evidence, Finding, Severity, alert_name
-from gpudiag.frames import Window
+from gpudiag.frames import Rows, Window
 from gpudiag.units import fmt_bytes, fmt_seconds
 
 from .common import engine_kv, engine_kv_of, label_int, linear_trend, per_entity, still_per_entity, subset
@@ -200,20 +200,49 @@ def _engine_load(e) -> tuple[bool, dict, np.ndarray | None, np.ndarray | None]:
     window (its change against the mean, the share of the variance it explains), not the means of
     two thirds: those of a batch of ten-odd requests differ by more than a fifth by chance alone.
     """
-    col = next((c for c in (M.num_requests_running, M.engine_batch_size) if c in e and e[c].notna().any()), None)
-    if col is None:
+    got = _load_series(e)
+    if got is None:
         return True, {"observed": False, "note": "engine load not observed: judged as flat"}, None, None
-    e = e[e[col].notna()].sort_values("t")
-    te, v = e["t"].to_numpy(float), e[col].to_numpy(float)
+    te, v = got
     third = max(len(v) // 3, 1)
-    first, last = float(v[:third].mean()), float(v[-third:].mean())
+    first, last = float(_mean(v[:third])), float(_mean(v[-third:]))
     slope, _ = linear_trend(te, v)
     change = slope * (te[-1] - te[0]) if te.size > 1 else 0.0
-    var = float(v.var())
-    r2 = slope * slope * float(te.var()) / var if var > 0 else 0.0
-    flat = abs(change) <= LOAD_CHANGE_RATIO * max(float(v.mean()), 1.0) or r2 < LOAD_TREND_R2
+    var = _var(v)
+    r2 = slope * slope * _var(te) / var if var > 0 else 0.0
+    flat = abs(change) <= LOAD_CHANGE_RATIO * max(float(_mean(v)), 1.0) or r2 < LOAD_TREND_R2
     return flat, {"observed": True, "first": first, "last": last, "fitted_change": change,
                   "trend_r2": r2, "flat": flat}, te, v
+
+
+def _load_series(e) -> tuple[np.ndarray, np.ndarray] | None:
+    """(sample times, load) of the first load column an engine row states, rows without it left out."""
+    for col in (M.num_requests_running, M.engine_batch_size):
+        if col not in e:
+            continue
+        if isinstance(e, Rows) and e[col].values.dtype.kind in "fiub":
+            # Numbers (NaN: missing) in rows kept in time order: the mask applied to the arrays.
+            v = e[col].to_numpy(float)
+            ok = ~np.isnan(v)
+            if not ok.any():
+                continue
+            te = e["t"].to_numpy(float)
+            return (te, v) if ok.all() else (te[ok], v[ok])
+        if not e[col].notna().any():
+            continue
+        e = e[e[col].notna()].sort_values("t")
+        return e["t"].to_numpy(float), e[col].to_numpy(float)
+    return None
+
+
+def _mean(x: np.ndarray) -> np.float64:
+    """``x.mean()`` of floats (the same sum over the same count) without its wrapper."""
+    return np.add.reduce(x) / x.size
+
+
+def _var(x: np.ndarray) -> float:
+    """``float(x.var())`` of floats, by numpy's own steps (mean, squared deviations, their mean)."""
+    return float(np.add.reduce(np.square(x - np.add.reduce(x) / x.size)) / x.size)
 
 
 def _load_at(load, t) -> tuple[bool, dict, np.ndarray | None]:

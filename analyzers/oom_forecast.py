@@ -190,11 +190,12 @@ def rising_slope(t: np.ndarray, y: np.ndarray) -> float | None:
         return None
     # Thirds of the span: the samples are in time order, so each third is a slice.
     a, b = np.searchsorted(t, t[0] + (t[-1] - t[0]) * np.array([1 / 3, 2 / 3]), side="left").tolist()
-    first, middle, last = (linear_trend(t[sel], y[sel]) for sel in (slice(0, a), slice(a, b), slice(b, None)))
-    for third_slope, third_t in (middle, last):
+    # Each third's trend only when the ones before it held: a rise that fails on one needs no more.
+    for sel in (slice(a, b), slice(b, None)):
+        third_slope, third_t = linear_trend(t[sel], y[sel])
         if third_slope < SUSTAINED_SHARE * slope or third_t < TREND_T_STAT:
             return None
-    if last[0] < SUSTAINED_SHARE * first[0]:
+    if third_slope < SUSTAINED_SHARE * linear_trend(t[:a], y[:a])[0]:
         return None
     return slope
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from gpudiag.catalog import M
 from gpudiag.findings import Evidence, Finding, Severity, alert_name
-from gpudiag.frames import Window
+from gpudiag.frames import Rows, Window
 from gpudiag.units import fmt_ratio
 
 from .common import dict_flag, episodes, label_int, per_entity
@@ -49,9 +49,10 @@ def analyze(window: Window) -> list[Finding]:
     if gpu.empty:
         return []
     findings = []
+    every_row = _table_flags(gpu)
     for key, g in per_entity(gpu, ["node", "gpu"]):
         t = g["t"].to_numpy(float)
-        reasons = _reasons(g)
+        reasons = _reasons(g) if every_row is None else _entity_reasons(every_row, g.positions)
         clock_ratio = _clock_ratio(g)
         temp = g[M.gpu_temperature_celsius].to_numpy(float) if M.gpu_temperature_celsius in g \
             else np.full(len(t), np.nan)
@@ -101,6 +102,27 @@ def _reasons(g) -> dict[str, np.ndarray]:
     for reason in HEAT_OR_POWER_REASONS:
         out[reason] = dict_flag(values, reason)
     return {r: m for r, m in out.items() if m.any()}
+
+
+def _table_flags(gpu) -> dict[str, np.ndarray] | None:
+    """:func:`_reasons` of every row of the window at once, None for rows other than a whole table.
+
+    A flag is a function of its row alone, so each GPU's flags are its rows of these; the
+    dicts are read once per reason instead of once per reason and GPU.
+    """
+    if not isinstance(gpu, Rows) or gpu.positions is not None:
+        return None
+    return _reasons(gpu)
+
+
+def _entity_reasons(flags: dict[str, np.ndarray], positions: np.ndarray | None) -> dict[str, np.ndarray]:
+    """:func:`_reasons` of one GPU's rows (at ``positions`` in the table, None: all) from :func:`_table_flags`."""
+    out = {}
+    for reason, mask in flags.items():  # reasons active nowhere in the window are already left out
+        m = mask if positions is None else mask[positions]
+        if m.any():
+            out[reason] = m
+    return out
 
 
 def _clock_ratio(g) -> np.ndarray:
