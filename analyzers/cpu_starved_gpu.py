@@ -68,20 +68,27 @@ def analyze(window: Window) -> list[Finding]:
     findings = []
     for gkey, g in per_entity(gpu, ["node", "gpu"]):
         t = g["t"].to_numpy(float)
-        util = _trailing_mean(t, g[M.gpu_utilization_ratio].to_numpy(float))
+        grid = _Grid(t)
+        util = _trailing_mean(t, g[M.gpu_utilization_ratio].to_numpy(float), grid.start)
         low = util <= LOW_UTILIZATION_RATIO
         if not low.any():
             continue
-        traffic, queue_empty, load = _work_waiting(subset(eng, gkey), t)
-        if not (low & traffic & queue_empty).any():
-            continue  # no second can qualify, whatever the host does: skip the per-process work
+        e = subset(eng, gkey)
+        work = _work_waiting(e, grid, low)
+        # A process' seconds are some of these: an episode of them lies within one of these (its
+        # ends are such seconds, and no gap between them is wider), which is at least as long.
+        if work is None or not episodes(t, low & work[0] & work[1], MERGE_GAP_S, MIN_DURATION_S):
+            continue  # no episode can qualify, whatever the host does: skip the per-process work
+        traffic, queue_empty, waiting = work
+        load = _load(e, grid, waiting)
         for pkey, p in per_entity(subset(proc, gkey), ["pid"]):
-            busy = _on_grid(p, M.process_thread_cpu_max_ratio, t)
+            busy = _on_grid(p, M.process_thread_cpu_max_ratio, grid)
             api_p = subset(api, {"node": gkey.get("node"), "pid": pkey.get("pid")}, ("node", "pid"))
             runq = _rate_on_grid(api_p, M.host_runqueue_wait_seconds_total, t)
             offcpu = _rate_on_grid(api_p, M.host_offcpu_seconds_total, t)
-            host = (np.nan_to_num(busy) >= BUSY_THREAD_RATIO) | (np.nan_to_num(runq) >= RUNQUEUE_WAIT_RATIO) \
-                | ((np.nan_to_num(offcpu) >= OFFCPU_RATIO) & queue_empty)
+            # x >= a positive bar is nan_to_num(x) >= it: NaN is below, +-inf on the same side either way.
+            host = (busy >= BUSY_THREAD_RATIO) | (runq >= RUNQUEUE_WAIT_RATIO) \
+                | ((offcpu >= OFFCPU_RATIO) & queue_empty)
             mask = low & host & traffic & queue_empty
             for start, end in episodes(t, mask, MERGE_GAP_S, MIN_DURATION_S):
                 findings.append(_finding(gkey, pkey, p, t, start, end, util, busy, runq, offcpu, load))
@@ -139,21 +146,42 @@ def _finding(gkey, pkey, p, t, start, end, util, busy, runq, offcpu, load) -> Fi
     )
 
 
-def _trailing_mean(t, x):
-    x = np.nan_to_num(x, nan=1.0)  # an unread sample is never taken for an idle GPU
-    c = np.concatenate([[0.0], np.cumsum(x)])
-    start = trailing_start(t, RATE_WINDOW_S)
-    idx = np.arange(len(x)) + 1
-    return (c[idx] - c[start]) / (idx - start)
+class _Grid:
+    """A GPU's sample times and, made once, the start of each one's trailing window: series sampled at
+    the same times (an engine scraped at every tick) share it."""
+
+    __slots__ = ("t", "_start")
+
+    def __init__(self, t: np.ndarray):
+        self.t, self._start = t, None
+
+    def start(self, tt: np.ndarray) -> np.ndarray:
+        """``trailing_start(tt, RATE_WINDOW_S)``."""
+        if tt is not self.t and not (tt.shape == self.t.shape and np.array_equal(tt, self.t)):
+            return trailing_start(tt, RATE_WINDOW_S)
+        if self._start is None:
+            self._start = trailing_start(self.t, RATE_WINDOW_S)
+        return self._start
 
 
-def _on_grid(df, column, t) -> np.ndarray:
-    """``column`` of ``df`` at the times ``t`` (trailing mean, nearest earlier sample); NaN where absent."""
+def _trailing_mean(t, x, start_of=None):
+    if not np.isfinite(x).all():
+        x = np.nan_to_num(x, nan=1.0)  # an unread sample is never taken for an idle GPU
+    c = np.empty(len(x) + 1)
+    c[0] = 0.0
+    np.cumsum(x, out=c[1:])
+    start = trailing_start(t, RATE_WINDOW_S) if start_of is None else start_of(t)
+    return (c[1:] - c[start]) / (np.arange(1, len(x) + 1) - start)
+
+
+def _on_grid(df, column, grid: _Grid) -> np.ndarray:
+    """``column`` of ``df`` at the grid's times (trailing mean, nearest earlier sample); NaN where absent."""
+    t = grid.t
     if df.empty or column not in df or df[column].isna().all():
         return np.full(len(t), np.nan)
     d = df[df[column].notna()].sort_values("t")
     tt, v = d["t"].to_numpy(float), d[column].to_numpy(float)
-    mean = _trailing_mean(tt, v)
+    mean = _trailing_mean(tt, v, grid.start)
     i = at_or_before(tt, t)
     out = np.where(i >= 0, mean[np.maximum(i, 0)], np.nan)
     return out
@@ -169,23 +197,33 @@ def _rate_on_grid(df, column, t) -> np.ndarray:
     return np.where(i >= 0, rate[np.maximum(i, 0)], np.nan)
 
 
-def _work_waiting(e, t):
-    """(traffic per second, device queue empty per second, load facts); all True when not observed."""
+def _work_waiting(e, grid: _Grid, low: np.ndarray):
+    """(traffic per second, device queue empty per second, queue length or None when not observed); all
+    True when not observed. None when no ``low`` second has traffic: the queue is not read then."""
+    t = grid.t
     ones = np.ones(len(t), dtype=bool)
     if e.empty or M.num_requests_waiting not in e or e[M.num_requests_waiting].isna().all():
-        return ones, ones, {"observed": False, "note": "engine load not observed: traffic assumed"}
-    waiting = _on_grid(e, M.num_requests_waiting, t)
+        return ones, ones, None
     arrivals = _rate_on_grid(e, M.engine_requests_arrived_total, t)
     if np.isnan(arrivals).all():
         arrivals = _rate_on_grid(e, M.prompt_tokens_total, t)
+    traffic = arrivals > 0  # nan_to_num(arrivals) > 0: NaN reads as no traffic
+    if not (low & traffic).any():
+        return None
+    waiting = _on_grid(e, M.num_requests_waiting, grid)
+    queue_empty = ~(waiting > EMPTY_QUEUE_REQUESTS)  # nan_to_num(waiting) <= it: NaN reads as an empty queue
+    return traffic, queue_empty, waiting
+
+
+def _load(e, grid: _Grid, waiting) -> dict:
+    """The load facts of a finding: whether it was observed, the queue and the batch size per second."""
+    if waiting is None:
+        return {"observed": False, "note": "engine load not observed: traffic assumed"}
     batch_col = next((c for c in (M.engine_batch_size, M.num_requests_running) if c in e and e[c].notna().any()),
                      None)
-    batch = _on_grid(e, batch_col, t) if batch_col else np.full(len(t), np.nan)
-    traffic = np.nan_to_num(arrivals) > 0
-    queue_empty = np.nan_to_num(waiting) <= EMPTY_QUEUE_REQUESTS
+    batch = _on_grid(e, batch_col, grid) if batch_col else np.full(len(grid.t), np.nan)
     batch_max = float(np.nanmax(batch)) if np.isfinite(batch).any() else None
-    return traffic, queue_empty, {"observed": True, "batch_column": batch_col, "batch": batch,
-                                  "waiting": waiting, "batch_max": batch_max}
+    return {"observed": True, "batch_column": batch_col, "batch": batch, "waiting": waiting, "batch_max": batch_max}
 
 
 def _top_thread(p, start, end):

@@ -55,27 +55,25 @@ def analyze(window: Window) -> list[Finding]:
     if proc.empty or eng.empty or not window.has("process", M.process_gpu_memory_bytes) \
             or not window.has("engine", M.engine_kv_capacity_bytes) or "pid" not in proc:
         return []
-    # The processes of each GPU, one entity each: their rows are read once and shared with the
-    # other per-process analyzers, never gathered per GPU.
-    on_gpu: dict[tuple, list[_Process]] = {}
-    for key, p in per_entity(proc, ["node", "gpu", "pid"]):
-        if _isna(key.get("pid")):
-            continue
-        mem = p[M.process_gpu_memory_bytes].to_numpy(float)
-        ok = ~np.isnan(mem)
-        if ok.any():
-            on_gpu.setdefault((key.get("node"), key.get("gpu")), []).append(_Process(key, p, mem, ok))
+    on_gpu = _on_gpu(proc)
     findings = []
     for key, e in per_entity(eng, ["node", "gpu"]):
         procs = _processes(on_gpu, key)
         if not procs:
             continue
-        names, pids = engine_identity(e)
-        engine_pid = _engine_pid(e, procs, names, pids)
         total = _device_bytes(gpu, key)
         min_bytes = COTENANT_MIN_RATIO * total if total else COTENANT_MIN_RATIO * 80 * 1024**3
+        # A process whose greatest memory is below min_bytes holds that much at no sample (nan_to_num
+        # below moves NaN, never counted, -inf, to the least float, below any min_bytes, and +inf,
+        # which makes the greatest inf), so it is no co-tenant whoever the engine is: a GPU without
+        # any other is done before the engine is told.
+        big = [q for q in procs if not q.peak < min_bytes]
+        if not big:
+            continue
+        names, pids = engine_identity(e)
+        engine_pid = _engine_pid(e, procs, names, pids)
         # Every pid the engine rows state is the engine's (one that restarted in the window, too).
-        others = [q for q in procs if q.pid != engine_pid and q.pid not in pids]
+        others = [q for q in big if q.pid != engine_pid and q.pid not in pids]
         rows = [(q, np.flatnonzero(q.ok & (np.nan_to_num(q.mem) >= min_bytes))) for q in others]
         rows = [(q, at) for q, at in rows if at.size]
         if not rows:
@@ -119,15 +117,104 @@ def analyze(window: Window) -> list[Finding]:
     return findings
 
 
+def _on_gpu(proc) -> dict[tuple, list[_Process]]:
+    """The processes of each GPU with a memory sample, one entity each.
+
+    Their rows are read once and shared with the other per-process analyzers, never
+    gathered per GPU; on the window's table the memory of every process is read as
+    one column in entity order, and each one's greatest value comes from one reduction.
+    """
+    keys = tuple(k for k in ("node", "gpu", "pid") if k in proc)  # as per_entity groups them
+    whole = _Whole.of(proc, keys)
+    on_gpu: dict[tuple, list[_Process]] = {}
+    for g, (key, p) in enumerate(per_entity(proc, list(keys))):
+        if _isna(key.get("pid")):
+            continue
+        if whole is not None:
+            peak = whole.peaks[g]
+            if peak != peak:
+                continue  # no sample holds a value
+            q = _Process(key, p, None, None, peak, whole, g)
+        else:
+            mem = p[M.process_gpu_memory_bytes].to_numpy(float)
+            ok = ~np.isnan(mem)
+            if not ok.any():
+                continue
+            q = _Process(key, p, mem, ok, np.nan)
+        on_gpu.setdefault((key.get("node"), key.get("gpu")), []).append(q)
+    return on_gpu
+
+
+class _Whole:
+    """Every process of the window's table in entity order: its memory, each one's greatest value, and
+    (read when asked) the time of each one's last sample with memory and a value in a given column."""
+
+    def __init__(self, proc: Rows, keys: tuple, mem: np.ndarray, starts: np.ndarray):
+        self.proc, self.keys, self.mem, self.starts = proc, keys, mem, starts  # mem: as kept (floats or ints)
+        self.bounds = starts.tolist()
+        # As floats, the greatest of the floats (conversion keeps order); NaN for a process without a value.
+        self.peaks = np.fmax.reduceat(mem, starts[:-1]).astype(float).tolist()
+        self._last: dict[str, list[float] | None] = {}
+
+    @classmethod
+    def of(cls, proc, keys: tuple) -> _Whole | None:
+        """None when the table does not give its memory column so (rows that are not the whole table,
+        values kept other than as numbers)."""
+        got = proc.entity_column(keys, M.process_gpu_memory_bytes) if isinstance(proc, Rows) else None
+        if got is None or got[0].dtype.kind not in "fiub":
+            return None
+        return cls(proc, keys, got[0], got[1])
+
+    def mem_of(self, g: int) -> np.ndarray:
+        """Process ``g``'s memory as floats (converted for the few processes read, not the whole column)."""
+        mem = self.mem[self.bounds[g]:self.bounds[g + 1]]
+        return mem if mem.dtype.kind == "f" else mem.astype(float)
+
+    def last_with(self, col: str) -> list[float] | None:
+        """Per process, :meth:`_Process.last_where` of ``col`` holding a value; None: not told so."""
+        if col not in self._last:
+            self._last[col] = self._read_last(col)
+        return self._last[col]
+
+    def _read_last(self, col: str) -> list[float] | None:
+        got, t = self.proc.entity_column(self.keys, col), self.proc.entity_column(self.keys, "t")
+        if got is None or t is None or got[0].dtype.kind not in "fiub" or t[0].dtype.kind not in "fiub":
+            return None
+        has = ~np.isnan(self.mem) if self.mem.dtype.kind == "f" else np.ones(len(self.mem), dtype=bool)
+        if got[0].dtype.kind == "f":  # integers are never missing
+            has &= ~np.isnan(got[0])
+        bounds, out = self.bounds, [-np.inf] * (len(self.bounds) - 1)
+        for g in np.flatnonzero(np.logical_or.reduceat(has, self.starts[:-1])).tolist():
+            s, e = bounds[g], bounds[g + 1]
+            last = e - 1 if has[e - 1] else s + int(np.flatnonzero(has[s:e])[-1])
+            out[g] = float(t[0][last])
+        return out
+
+
 class _Process:
-    """One pid on one GPU: its rows, driver-charged memory and which of them hold a value."""
+    """One pid on one GPU: its rows, driver-charged memory, which of them hold a value, and the
+    greatest of them (NaN: not read)."""
 
-    __slots__ = ("key", "rows", "pid", "mem", "ok", "_t")
+    __slots__ = ("key", "rows", "pid", "_mem", "_ok", "peak", "_t", "_whole", "_g")
 
-    def __init__(self, key: dict, rows, mem: np.ndarray, ok: np.ndarray):
-        self.key, self.rows, self.mem, self.ok = key, rows, mem, ok
+    def __init__(self, key: dict, rows, mem: np.ndarray | None, ok: np.ndarray | None, peak: float,
+                 whole: _Whole | None = None, g: int = -1):
+        self.key, self.rows, self._mem, self._ok, self.peak = key, rows, mem, ok, peak
         self.pid = int(key["pid"])
         self._t = None
+        self._whole, self._g = whole, g  # the table's processes, and which of them this one is
+
+    @property
+    def mem(self) -> np.ndarray:
+        if self._mem is None:
+            self._mem = self._whole.mem_of(self._g)
+        return self._mem
+
+    @property
+    def ok(self) -> np.ndarray:
+        if self._ok is None:
+            self._ok = ~np.isnan(self.mem)
+        return self._ok
 
     @property
     def t(self) -> np.ndarray:
@@ -139,6 +226,11 @@ class _Process:
         """Time of the last sample (with memory) where ``mask`` holds; -inf when none."""
         at = np.flatnonzero(mask & self.ok)
         return float(self.t[at[-1]]) if at.size else -np.inf
+
+    def last_with(self, col: str) -> float:
+        """:meth:`last_where` ``col`` holds a value."""
+        got = self._whole.last_with(col) if self._whole is not None else None
+        return got[self._g] if got is not None else self.last_where(self.rows[col].notna().to_numpy())
 
     def value_at(self, name: str, i: int):
         """Column ``name`` at row ``i`` of this process (read from the table, not gathered)."""
@@ -187,7 +279,7 @@ def _engine_pid(e, procs: list[_Process], names: frozenset, pids: frozenset):
         if best[0] > -np.inf:
             return best[1]
     for col in (M.process_torch_reserved_bytes, M.process_torch_allocated_bytes):
-        best = max(((q.last_where(q.rows[col].notna().to_numpy()), q.pid) for q in procs if col in q.rows),
+        best = max(((q.last_with(col), q.pid) for q in procs if col in q.rows),
                    default=(-np.inf, None))
         if best[0] > -np.inf:
             return best[1]
