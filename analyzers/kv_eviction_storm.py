@@ -37,7 +37,7 @@ from gpudiag.catalog import M
 from gpudiag.findings import Evidence, Finding, Severity, alert_name
 from gpudiag.frames import Rows, Table, Window
 
-from .common import by_time, constant_per_entity, episodes, per_entity, percentile, rolling_std, windowed_rate
+from .common import by_time, constant_per_entity, episodes, per_entity, rolling_std, tail_percentile, windowed_rate
 
 KIND = "kv_eviction_storm"
 
@@ -85,10 +85,9 @@ def analyze(window: Window) -> list[Finding]:
         reqs = _subset(req, key)
         if _tpot_col(reqs) is None:
             reqs = _interval_tpot(e)
-        gpus = _subset(gpu_df, key)
         tpots = _tpot_series(reqs)
         base_tpot = _tpot_outside(tpots, spans)
-        osc_t, osc = _oscillation(gpus)
+        osc_t = osc = None  # evidence only: read once a span of this GPU makes a finding
         for start, end in spans:
             # Rates look back RATE_WINDOW_S: the storm began up to a window before it was detected.
             start = max(float(t[0]), start - RATE_WINDOW_S)
@@ -99,6 +98,8 @@ def analyze(window: Window) -> list[Finding]:
             ratio = tpot / base_tpot if base_tpot and base_tpot > 0 and not np.isnan(tpot) else float("nan")
             if not ((not np.isnan(ratio) and ratio >= TPOT_P99_RATIO_THRESHOLD) or share >= RECOMPUTE_SHARE_THRESHOLD):
                 continue
+            if osc is None:
+                osc_t, osc = _oscillation(_subset(gpu_df, key))
             osc_in, osc_base = _osc_in(osc_t, osc, start, end)
             severity = Severity.CRITICAL if (not np.isnan(ratio) and ratio >= CRITICAL_TPOT_RATIO) else Severity.WARNING
             minutes = (end - start) / 60.0
@@ -206,7 +207,7 @@ def _tpot_in(series, start, end) -> float:
     if series is None:
         return float("nan")
     t, v = series
-    return percentile(v[np.searchsorted(t, start, side="left"):np.searchsorted(t, end, side="right")], 99)
+    return tail_percentile(v[np.searchsorted(t, start, side="left"):np.searchsorted(t, end, side="right")], 99)
 
 
 def _tpot_outside(series, spans) -> float | None:
@@ -218,7 +219,7 @@ def _tpot_outside(series, spans) -> float | None:
     for a, b in spans:
         inside[np.searchsorted(t, a - RATE_WINDOW_S, side="left"):
                np.searchsorted(t, b + MERGE_GAP_S, side="right")] = True
-    got = percentile(v[~inside], 99)
+    got = tail_percentile(v[~inside], 99)
     return None if np.isnan(got) else got
 
 

@@ -47,7 +47,7 @@ from gpudiag.findings import Evidence, Finding, Severity, alert_name
 from gpudiag.frames import Window
 from gpudiag.units import fmt_seconds
 
-from .common import by_time, episodes, label_int, per_entity, percentile, percentiles
+from .common import by_time, episodes, label_int, per_entity, percentile, percentiles, tail_percentile
 from .kv_eviction_storm import CRITICAL_TPOT_RATIO
 
 KIND = "latency_regression"
@@ -116,15 +116,22 @@ def analyze(window: Window, baseline: dict[str, dict[str, float]] | None = None,
         regressed: dict[str, list] = {}
         bucket_t = []
         bases: dict[str, dict] = {}
+        medians = []  # (baseline, its requests): their P50, read once this GPU regressed
+        ordered = None  # the request columns share one t: checked for order once
         for metric, (t, p99, p50, weight) in by_metric.items():
-            t, p99, p50, weight = by_time(t, p99, p50, weight)
-            base = (given or {}).get(metric) or _base(t, p99, p50, weight, base_end)
+            if t is not ordered:
+                t, p99, p50, weight = by_time(t, p99, p50, weight)
+                ordered = t
+            base = (given or {}).get(metric) or _base(t, p99, p50, weight, base_end, medians)
             if base is None or not base["p99"] or base["p99"] <= 0:
                 continue
             bases[metric] = base
             # t is sorted: each bucket [a, b) is a slice, and its weight a difference of running sums
             # (its length, for requests: one each).
             cuts = np.searchsorted(t, edges, side="left").tolist()
+            if p50 is None and np.count_nonzero(p99[cuts[0]:cuts[-1]] >= P99_RATIO_THRESHOLD * base["p99"]) \
+                    < MIN_SLOW_REQUESTS:
+                continue  # requests: fewer that slow after the baseline than one bucket needs
             counts = None if weight is None else np.concatenate([[0.0], np.cumsum(weight)])
             for a, b, lo, hi in zip(edges[:-1], edges[1:], cuts[:-1], cuts[1:]):
                 if (hi - lo if counts is None else counts[hi] - counts[lo]) < MIN_REQUESTS:
@@ -132,15 +139,17 @@ def analyze(window: Window, baseline: dict[str, dict[str, float]] | None = None,
                 sel = slice(lo, hi)
                 if hi > lo and p99[sel].max() < P99_RATIO_THRESHOLD * base["p99"]:
                     continue  # the bucket's P99 (or median interval P99) is at most its largest value
+                if p50 is None and np.count_nonzero(p99[sel] >= P99_RATIO_THRESHOLD * base["p99"]) < MIN_SLOW_REQUESTS:
+                    continue  # requests, one each: the tail is one or two of them
                 q99, q50 = _quantiles(p99[sel], None if p50 is None else p50[sel])
                 if q99 < P99_RATIO_THRESHOLD * base["p99"]:
                     continue
-                if p50 is None and np.count_nonzero(p99[sel] >= P99_RATIO_THRESHOLD * base["p99"]) < MIN_SLOW_REQUESTS:
-                    continue  # requests, one each: the tail is one or two of them
                 regressed.setdefault(metric, []).append((a, b, q99, q50, base))
                 bucket_t.append(b)
         if not regressed:
             continue
+        for base, values in medians:
+            base["p50"] = percentile(values, 50)
         marks = np.array(sorted(set(bucket_t)))
         for start, end in episodes(marks, np.ones(len(marks), dtype=bool), MERGE_GAP_S):
             start -= BUCKET_S
@@ -182,9 +191,11 @@ def _request_series(req, columns) -> dict:
     for key, r in per_entity(req, ["node", "gpu"]):
         t = r["t"].to_numpy(float)
         for column in columns:
-            if column in r and r[column].notna().any():
-                v = r[column].to_numpy(float)
-                ok = ~np.isnan(v)
+            if column not in r:
+                continue
+            v = r[column].to_numpy(float)  # missing values (None) read as NaN
+            ok = ~np.isnan(v)
+            if ok.any():
                 # read only from here on: kept as they are when every request has a value
                 out.setdefault(_k(key), {})[column] = (t, v) if ok.all() else (t[ok], v[ok])
     return out
@@ -265,11 +276,20 @@ _SHORT = {M.time_to_first_token_seconds: "TTFT", M.inter_token_latency_seconds: 
           M.e2e_request_latency_seconds: "e2e"}
 
 
-def _base(t, p99, p50, weight, base_end):
-    sel = t < base_end
-    if (np.count_nonzero(sel) if weight is None else weight[sel].sum()) < MIN_REQUESTS:
+def _base(t, p99, p50, weight, base_end, medians: list):
+    """The baseline's P99 and P50 before base_end (None: too few requests). Of requests, the P50 is
+    only needed once a bucket regressed: it is left for the caller, the baseline and its values
+    added to ``medians``."""
+    # t is in time order (NaN last, as by_time sorts): the rows before base_end are its first ones
+    cut = int(np.searchsorted(t, base_end, side="left")) if base_end == base_end else 0
+    if (cut if weight is None else weight[:cut].sum()) < MIN_REQUESTS:
         return None
-    q99, q50 = _quantiles(p99[sel], None if p50 is None else p50[sel])
+    if p50 is None:
+        values = p99[:cut]
+        base = {"p99": tail_percentile(values, 99), "p50": None}
+        medians.append((base, values))
+        return base
+    q99, q50 = _quantiles(p99[:cut], p50[:cut])
     return {"p99": q99, "p50": q50}
 
 

@@ -342,6 +342,39 @@ def test_the_fast_percentile_is_numpys_linear_percentile_to_the_last_bit():
                 assert got == want or (math.isnan(got) and math.isnan(want)), (n, q)
 
 
+def test_the_tail_percentile_is_the_fast_percentile_to_the_last_bit():
+    rng = np.random.default_rng(12)
+    used_tail = 0
+    for trial in range(3000):
+        n = int(rng.integers(200, 9000))
+        shape = trial % 6
+        if shape == 0:
+            x = rng.lognormal(-3, 1, n)  # request latencies
+        elif shape == 1:
+            x = rng.integers(0, 4, n).astype(float)  # ties, the bound among them
+        elif shape == 2:
+            x = np.sort(rng.normal(0, 1, n))  # sorted, with signed values
+        elif shape == 3:
+            x = rng.choice([0.0, -0.0, 1e-9, 5.0, np.inf, -np.inf], n)  # signed zeros and infinities
+        elif shape == 4:
+            x = rng.lognormal(-3, 1, n)
+            x[rng.random(n) < 0.05] = np.nan  # missing values: left to the full percentile
+        else:
+            x = np.concatenate([np.zeros(n - 3), rng.lognormal(0, 1, 3)])  # a tail of three
+        for q in (51, 90, 99, 99.9, float(rng.uniform(50.01, 99.99))):
+            want, got = common.percentile(x, q), common.tail_percentile(x, q)
+            assert got == want or (math.isnan(got) and math.isnan(want)), (trial, n, q)
+            assert math.copysign(1, got) == math.copysign(1, want) or math.isnan(want), (trial, n, q)
+            used_tail += n >= common.TAIL_MIN_VALUES and shape != 4
+    assert used_tail > 8000  # the partition of the tail was taken, not only the fallback
+    # A bound that leaves one value too few above it: n=1000, P99 needs the 11 largest; the strided
+    # sample (every 7th) has six large values, its bound is their least, and four more lie between.
+    x = np.linspace(0, 1, 1000)
+    x[0:42:7] = 100 + np.arange(6)
+    x[[1, 2, 3, 4]] = 200.0
+    assert common.tail_percentile(x, 99) == common.percentile(x, 99)
+
+
 def test_entities_read_from_the_group_ordered_copy_get_exactly_their_own_rows(monkeypatch):
     # Twelve entities with one row each per tick for 5000 ticks (evenly spaced: copied as slices,
     # block by block), then two that come and go (index arrays, cut at the block edges), with labels
