@@ -47,7 +47,7 @@ from gpudiag.agent.tracker import ThreeColourTracker
 from gpudiag.catalog import M
 from gpudiag.errors import GpudiagError
 from gpudiag.findings import Finding, Severity
-from gpudiag.frames import Frame, Table, TableBuffer, Window
+from gpudiag.frames import BufferPool, Frame, Table, TableBuffer, Window
 from gpudiag.probes.base import Probe, ProbeError
 
 log = logging.getLogger("gpudiag.agent")
@@ -403,6 +403,7 @@ class SlidingWindow:
         self.newest_t: float | None = None
         self._due: tuple[float, float] | None = None  # (since, interval) a waiter waits for; None: any frame
         self._arrived = threading.Event()
+        self._pool = BufferPool()  # the analyses' entity-order copies, one analysis' worth handed on
 
     def add(self, frames: Iterable[Frame]) -> None:
         """Take frames (their rows are read, never changed, at the next :meth:`window`)."""
@@ -441,6 +442,7 @@ class SlidingWindow:
         if end is None:
             return Window({}, 0.0, 0.0, node)
         start = end - self.window_s
+        self._pool.settle()  # a new window: the last one's analysis is over
         for kind, ticks in pending.items():
             self._buffers.setdefault(kind, TableBuffer()).append(Table.from_frames(ticks, skip=_NOT_IN_WINDOW))
         tables = {}
@@ -448,6 +450,7 @@ class SlidingWindow:
             buf.drop_until(start)
             if len(buf):
                 tables[kind] = buf.table()
+                tables[kind].pool = self._pool
         return Window.from_columns(tables, start_s=start, end_s=end, node=node, sources=["agent"])
 
 

@@ -12,7 +12,7 @@ from gpudiag.analyzers import common
 from gpudiag.analyzers.common import dict_flag, dict_keys, dict_total, labelled_total, per_entity, subset
 from gpudiag.analyzers.registry import ANALYZERS, run_all
 from gpudiag.catalog import M
-from gpudiag.frames import Frame, Rows, Table, TableBuffer, Window, _GroupLayout
+from gpudiag.frames import BufferPool, Frame, Rows, Table, TableBuffer, Window, _GroupLayout, _unexported
 
 GiB, MiB = 1024**3, 1024**2
 NODE = "node-a"
@@ -421,6 +421,77 @@ def test_a_released_window_frees_its_copies_without_the_cycle_collector(frames):
         assert not process._entities and not process._groups and process._group_source is None
     finally:
         gc.enable()
+
+
+def test_an_analysis_copies_into_the_memory_the_last_one_let_go_never_into_memory_still_held(frames):
+    win = SlidingWindow(600)
+    ends = iter(range(1000, 1041, 10))
+    end = next(ends)
+
+    def analysis():
+        nonlocal end
+        for fr in frames:
+            if end - 10 < fr.t <= end:
+                win.add([fr])
+        end = next(ends, end)
+        w = win.window(NODE)
+        return w, findings_of(w)
+
+    def backing(a):  # the pool's buffer an array (or a view of one) lives in, if any
+        while isinstance(a, np.ndarray):
+            a = a.base
+        return a.obj if isinstance(a, memoryview) else None
+
+    for fr in frames:
+        if fr.t <= 990:
+            win.add([fr])
+    first, _ = analysis()
+    pool = win._pool
+    made = list(pool._taken)
+    assert len(made) > 5 and all(isinstance(b, bytearray) for b in made)
+    # An analysis (or a bug) that keeps a column past its window: that memory must never be reused.
+    process = first.columns("process")
+    held = process.entity_column(("node", "gpu", "pid"), "t")[0][:50]  # moves as the window slides
+    assert any(backing(held) is b for b in made)
+    seen = held.copy()
+    first.release()
+    del first, process
+
+    second, found = analysis()
+    kept = [fr for fr in frames if fr.t > second.end_s - 600 and fr.t <= second.end_s]
+    assert found == findings_of(Window.from_frames(kept, node=NODE), old=True)
+    assert np.array_equal(held, seen, equal_nan=True)  # not overwritten
+    taken = pool._taken
+    assert not any(backing(held) is b for b in taken)
+    reused = [b for b in made if any(b is t for t in taken)]
+    assert len(reused) == len(made) - 1  # every other buffer went round again
+    second.release()
+    del second
+    analysis()[0].release()
+    assert not any(backing(held) is b for b in pool._kept + pool._taken)  # left out twice: let go
+    del held
+    assert pool.nbytes <= 1.2 * sum(map(len, made))
+
+
+def test_a_pool_buffer_counts_as_held_while_any_array_view_or_memoryview_of_it_lives():
+    pool = BufferPool()
+    a = pool.array(1000, np.float64)
+    a[:] = 1.5
+    buf = a.base.obj  # frombuffer: a memoryview of the pool's bytearray
+    view = a[::3].reshape(-1, 1).T
+    mv = memoryview(buf)
+    del a
+    for holder in ("view", "mv"):
+        assert not _unexported(buf)
+        if holder == "view":
+            del view
+        else:
+            mv.release()
+    assert _unexported(buf) and bytes(buf[:8]) == np.float64(1.5).tobytes()  # left as it was
+    pool.settle()
+    assert pool.array(1000, np.float64).base.obj is buf  # free: handed out again
+    assert pool.array(1000, np.float64).base.obj is not buf  # taken this time
+    assert pool.array(10, object).dtype == object  # object arrays never share memory
 
 
 @pytest.mark.parametrize("shape", ["steady", "jittered", "gap", "random", "repeated"])
