@@ -167,11 +167,14 @@ def percentiles(values, qs) -> list[float]:
     arr.partition(sorted(kth))
     out = []
     for virtual, lo, i, j in picks:
-        a, b = float(arr[i]), float(arr[j])
-        gamma = virtual - lo
-        diff = b - a
-        out.append(b - diff * (1 - gamma) if gamma >= 0.5 else a + diff * gamma)
+        out.append(_between(float(arr[i]), float(arr[j]), virtual - lo))
     return out
+
+
+def _between(a: float, b: float, gamma: float) -> float:
+    """numpy's linear interpolation at ``gamma`` from ``a`` to ``b`` (its operations, in its order)."""
+    diff = b - a
+    return b - diff * (1 - gamma) if gamma >= 0.5 else a + diff * gamma
 
 
 # Below this many values a partition of them all is as cheap as finding the few above a bound.
@@ -204,10 +207,7 @@ def tail_percentile(values, q: float) -> float:
         return percentile(arr, q)
     at = i - (n - top.size)  # top holds the top.size largest values: the i-th smallest is its at-th
     top.partition([at, at + 1])
-    a, b = float(top[at]), float(top[at + 1])
-    gamma = virtual - lo
-    diff = b - a
-    return b - diff * (1 - gamma) if gamma >= 0.5 else a + diff * gamma
+    return _between(float(top[at]), float(top[at + 1]), virtual - lo)
 
 
 def in_span(df: pd.DataFrame | Rows, start: float, end: float, col: str = "t"):
