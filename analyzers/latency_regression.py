@@ -129,9 +129,11 @@ def analyze(window: Window, baseline: dict[str, dict[str, float]] | None = None,
             # t is sorted: each bucket [a, b) is a slice, and its weight a difference of running sums
             # (its length, for requests: one each).
             cuts = np.searchsorted(t, edges, side="left").tolist()
-            if p50 is None and np.count_nonzero(p99[cuts[0]:cuts[-1]] >= P99_RATIO_THRESHOLD * base["p99"]) \
-                    < MIN_SLOW_REQUESTS:
-                continue  # requests: fewer that slow after the baseline than one bucket needs
+            # Requests, one each: running counts of those that slow, so a span's count is a difference.
+            slow = None if p50 is not None else \
+                np.concatenate([[0], np.cumsum(p99 >= P99_RATIO_THRESHOLD * base["p99"])]).tolist()
+            if slow is not None and slow[cuts[-1]] - slow[cuts[0]] < MIN_SLOW_REQUESTS:
+                continue  # fewer that slow after the baseline than one bucket needs
             counts = None if weight is None else np.concatenate([[0.0], np.cumsum(weight)])
             for a, b, lo, hi in zip(edges[:-1], edges[1:], cuts[:-1], cuts[1:]):
                 if (hi - lo if counts is None else counts[hi] - counts[lo]) < MIN_REQUESTS:
@@ -139,7 +141,7 @@ def analyze(window: Window, baseline: dict[str, dict[str, float]] | None = None,
                 sel = slice(lo, hi)
                 if hi > lo and p99[sel].max() < P99_RATIO_THRESHOLD * base["p99"]:
                     continue  # the bucket's P99 (or median interval P99) is at most its largest value
-                if p50 is None and np.count_nonzero(p99[sel] >= P99_RATIO_THRESHOLD * base["p99"]) < MIN_SLOW_REQUESTS:
+                if slow is not None and slow[hi] - slow[lo] < MIN_SLOW_REQUESTS:
                     continue  # requests, one each: the tail is one or two of them
                 q99, q50 = _quantiles(p99[sel], None if p50 is None else p50[sel])
                 if q99 < P99_RATIO_THRESHOLD * base["p99"]:

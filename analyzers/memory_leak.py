@@ -205,12 +205,12 @@ def _engine_load(e) -> tuple[bool, dict, np.ndarray | None, np.ndarray | None]:
         return True, {"observed": False, "note": "engine load not observed: judged as flat"}, None, None
     te, v = got
     third = max(len(v) // 3, 1)
-    first, last = float(_mean(v[:third])), float(_mean(v[-third:]))
+    first, last = float(v[:third].mean()), float(v[-third:].mean())
     slope, _ = linear_trend(te, v)
     change = slope * (te[-1] - te[0]) if te.size > 1 else 0.0
-    var = _var(v)
-    r2 = slope * slope * _var(te) / var if var > 0 else 0.0
-    flat = abs(change) <= LOAD_CHANGE_RATIO * max(float(_mean(v)), 1.0) or r2 < LOAD_TREND_R2
+    var = float(v.var())
+    r2 = slope * slope * float(te.var()) / var if var > 0 else 0.0
+    flat = abs(change) <= LOAD_CHANGE_RATIO * max(float(v.mean()), 1.0) or r2 < LOAD_TREND_R2
     return flat, {"observed": True, "first": first, "last": last, "fitted_change": change,
                   "trend_r2": r2, "flat": flat}, te, v
 
@@ -233,16 +233,6 @@ def _load_series(e) -> tuple[np.ndarray, np.ndarray] | None:
         e = e[e[col].notna()].sort_values("t")
         return e["t"].to_numpy(float), e[col].to_numpy(float)
     return None
-
-
-def _mean(x: np.ndarray) -> np.float64:
-    """``x.mean()`` of floats (the same sum over the same count) without its wrapper."""
-    return np.add.reduce(x) / x.size
-
-
-def _var(x: np.ndarray) -> float:
-    """``float(x.var())`` of floats, by numpy's own steps (mean, squared deviations, their mean)."""
-    return float(np.add.reduce(np.square(x - np.add.reduce(x) / x.size)) / x.size)
 
 
 def _load_at(load, t) -> tuple[bool, dict, np.ndarray | None]:
