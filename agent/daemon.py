@@ -47,7 +47,7 @@ from gpudiag.agent.tracker import ThreeColourTracker
 from gpudiag.catalog import M
 from gpudiag.errors import GpudiagError
 from gpudiag.findings import Finding, Severity
-from gpudiag.frames import BufferPool, Frame, Table, TableBuffer, Window
+from gpudiag.frames import BufferPool, Frame, FrameColumns, Table, TableBuffer, Window
 from gpudiag.probes.base import Probe, ProbeError
 
 log = logging.getLogger("gpudiag.agent")
@@ -387,8 +387,9 @@ class MemoryKeeper:
 class SlidingWindow:
     """The last ``window_s`` seconds of frames, per kind, as columns that slide (built once, never copied again).
 
-    :meth:`add` only keeps a reference to each tick's rows; :meth:`window` turns
-    the rows added since the last call into one :class:`~gpudiag.frames.Table`
+    :meth:`add` keeps each tick's rows as the columns the store takes too
+    (:class:`~gpudiag.frames.FrameColumns`); :meth:`window` joins the columns added
+    since the last call into one :class:`~gpudiag.frames.Table`
     chunk per kind (numpy arrays, no pandas), appends it to that kind's
     :class:`~gpudiag.frames.TableBuffer` and drops the rows that left the window,
     so every analysis converts only new rows and copies none of the kept ones;
@@ -398,18 +399,24 @@ class SlidingWindow:
     def __init__(self, window_s: float):
         self.window_s = float(window_s)
         self._lock = threading.Lock()
-        self._pending: dict[str, list[tuple[float, list[dict[str, Any]]]]] = {}
+        self._pending: dict[str, list[FrameColumns]] = {}
         self._buffers: dict[str, TableBuffer] = {}
         self.newest_t: float | None = None
         self._due: tuple[float, float] | None = None  # (since, interval) a waiter waits for; None: any frame
         self._arrived = threading.Event()
         self._pool = BufferPool()  # the analyses' entity-order copies, one analysis' worth handed on
 
-    def add(self, frames: Iterable[Frame]) -> None:
-        """Take frames (their rows are read, never changed, at the next :meth:`window`)."""
+    def add(self, frames: Iterable[Frame], columns: Iterable[FrameColumns] | None = None) -> None:
+        """Take frames, with their rows as columns when the caller made them already (``columns``:
+        :meth:`FrameColumns.of` of the frames' rows, by kind; the arrays are kept, never changed)."""
+        frames = list(frames)
+        if columns is None:
+            columns = [FrameColumns.of(fr.kind, [fr]) for fr in frames if fr.rows]
         with self._lock:
+            for c in columns:
+                if c.n:
+                    self._pending.setdefault(c.kind, []).append(c)
             for fr in frames:
-                self._pending.setdefault(fr.kind, []).append((fr.t, fr.rows))
                 if self.newest_t is None or fr.t > self.newest_t:
                     self.newest_t = fr.t
             if self.newest_t is not None and self._is_due(self.newest_t):
@@ -443,8 +450,8 @@ class SlidingWindow:
             return Window({}, 0.0, 0.0, node)
         start = end - self.window_s
         self._pool.settle()  # a new window: the last one's analysis is over
-        for kind, ticks in pending.items():
-            self._buffers.setdefault(kind, TableBuffer()).append(Table.from_frames(ticks, skip=_NOT_IN_WINDOW))
+        for kind, chunks in pending.items():
+            self._buffers.setdefault(kind, TableBuffer()).append(Table.from_columns(chunks, skip=_NOT_IN_WINDOW))
         tables = {}
         for kind, buf in self._buffers.items():
             buf.drop_until(start)
@@ -735,11 +742,14 @@ class Agent:
                 requests.append(fr)
             elif fr.kind not in newest or fr.t >= newest[fr.kind].t:
                 newest[fr.kind] = fr
+        # Rows become columns once, here, right after their probe made them: the store encodes
+        # these arrays and the window builds its tables from them.
+        columns = [FrameColumns.of(fr.kind, [fr]) for fr in frames if fr.rows]
         with self._ingest_lock:
             # LatestFrames joins several frames of one kind: it gets the newest of each.
             self.latest.update(list(newest.values()) + requests)
-            self.store.append(frames)
-            self.window.add(frames)
+            self.store.append_columns(columns)
+            self.window.add(frames, columns)
 
     def _tracker_joins(self) -> bool:
         """Whether the tracker thread joins process rows (with --sim the timeline's are joined as they come)."""

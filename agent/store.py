@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import itertools
 import json
 import logging
 import math
@@ -86,8 +85,10 @@ from gpudiag.errors import GpudiagError
 from gpudiag.frames import (
     _NAN,
     FRAME_KINDS,
+    LEAF_BOOLS,
     DictColumn,
     Frame,
+    FrameColumns,
     LazyColumns,
     Table,
     Window,
@@ -100,6 +101,7 @@ from gpudiag.frames import (
 )
 from gpudiag.frames import _concat_columns as _concat_frames_columns
 from gpudiag.frames import _factorize as _factorize_table_column
+from gpudiag.frames import object_array as _objects
 
 log = logging.getLogger("gpudiag.agent.store")
 
@@ -688,7 +690,6 @@ class _DictColumn:
 
 _KEY_TYPES = (str, int, float, bool)
 _LEAF_NUMBERS = (int, float, np.integer, np.floating)
-_LEAF_BOOLS = (bool, np.bool_)
 _NOT_ONE_SHAPE = object()
 
 
@@ -724,7 +725,7 @@ def _whole_leaf(values, types: set) -> bool | None:
 
 
 def _number_leaf(types: set) -> bool:
-    return all(issubclass(tp, _LEAF_NUMBERS) and not issubclass(tp, _LEAF_BOOLS) for tp in types)
+    return all(issubclass(tp, _LEAF_NUMBERS) and not issubclass(tp, LEAF_BOOLS) for tp in types)
 
 
 def _json_exact_leaf(types: set) -> bool:
@@ -2107,106 +2108,6 @@ def _flat_dicts(a):
     return a
 
 
-_NUMBER_OR_NONE = frozenset((int, float, type(None)))
-
-
-def _array(values: list) -> np.ndarray:
-    """A column as numpy: int64, float64 (None as NaN), bool or object (strings, dicts, mixed)."""
-    # The Python types present decide the common columns at C speed: all floats, all ints, all
-    # strings, numbers with gaps (a process without the torch columns; numpy reads None as NaN).
-    types = set(map(type, values))
-    if types == {float} or (len(types) > 1 and type(None) in types and types <= _NUMBER_OR_NONE):
-        return np.array(values, dtype=np.float64)  # numbers with gaps: numpy reads None as NaN
-    if str in types or dict in types:
-        # A string or a dict makes any column objects, as it is (has_other below): strings, a
-        # counter by kind per process, the tracker's missing_reasons, strings with gaps. numpy's
-        # inference would only walk the dicts to find that out.
-        return _objects(values)
-    try:
-        a = np.array(values)
-    except (ValueError, OverflowError, TypeError):
-        a = None
-    # numpy's own inference is the fast path for the other all-number columns; None with
-    # numpy numbers, lists and mixtures fall through to the explicit classification.
-    # numpy makes True 1 among ints (1.0 among floats): a bool among numbers is classified below.
-    if a is not None and a.ndim == 1 and len(a) == len(values) \
-            and (a.dtype.kind == "b" or types.isdisjoint(_LEAF_BOOLS)):
-        if a.dtype.kind == "i":
-            return a.astype(np.int64, copy=False)
-        if a.dtype.kind == "f":
-            return a.astype(np.float64, copy=False)
-        if a.dtype.kind == "b":
-            return a
-    has_none = has_float = has_int = has_bool = has_other = False
-    for v in values:
-        if v is None:
-            has_none = True
-        elif isinstance(v, (bool, np.bool_)):
-            has_bool = True
-        elif isinstance(v, (int, np.integer)):
-            has_int = True
-        elif isinstance(v, (float, np.floating)):
-            has_float = True
-        else:  # strings, dicts (flattened when sealed), lists
-            has_other = True
-    if has_other or (has_bool and (has_int or has_float or has_none)):
-        return _objects(values)
-    if has_bool:
-        return np.array(values, dtype=bool)
-    if has_int and not has_float and not has_none:
-        try:
-            return np.array(values, dtype=np.int64)
-        except OverflowError:  # an integer beyond int64 stays exact as an object
-            return _objects(values)
-    if not has_int and not has_float:  # all None
-        return _objects(values)
-    return np.array([np.nan if v is None else v for v in values], dtype=np.float64)
-
-
-def _objects(values: list) -> np.ndarray:
-    a = np.empty(len(values), dtype=object)
-    a[:] = values
-    return a
-
-
-def _columns_from_frames(frames: list[Frame]) -> tuple[int, dict]:
-    """Rows of frames of one kind as columns; a row's own ``t`` wins over the frame's, as in Window."""
-    rows: list[dict] = []
-    ts: list[float] = []
-    for fr in frames:
-        rows.extend(fr.rows)
-        ts.extend([fr.t] * len(fr.rows))
-    n = len(rows)
-    # Rows of one probe usually share their keys: then transpose them in C (itemgetter + zip)
-    # instead of looking every value up column by column.
-    shapes = dict.fromkeys(map(tuple, rows))
-    names: dict[str, None] = {"t": None}
-    for keys in shapes:
-        names.update(dict.fromkeys(keys))
-    if len(shapes) == 1:
-        (keys,) = shapes
-        values = _transpose(rows, keys)
-    else:  # rows of several shapes (processes with and without torch columns): None where a row lacks a key
-        values = {k: list(map(dict.get, rows, itertools.repeat(k, n))) for k in names
-                  if k != "t" or any("t" in keys for keys in shapes)}
-    if "t" in values:  # a row's own t
-        own = values.pop("t")
-        ts = [fr_t if v is None else v for fr_t, v in zip(ts, own)]
-    columns: dict = {"t": np.asarray(ts, dtype=np.float64)}
-    for name in names:
-        if name != "t":
-            columns[name] = _array(values[name])
-    return n, columns
-
-
-def _transpose(rows: list[dict], keys: tuple) -> dict[str, list]:
-    if not keys:
-        return {}
-    if len(keys) == 1:
-        return {keys[0]: [r[keys[0]] for r in rows]}
-    return dict(zip(keys, (list(col) for col in zip(*map(operator.itemgetter(*keys), rows)))))
-
-
 class _Joined:
     """A column already joined across every block given to _concat_columns, in each block's columns."""
 
@@ -2414,7 +2315,7 @@ class Store:
         # frames over (the agent's probes, under its ingest lock) never wait for a write.
         self._mutex = threading.RLock()
         self._buffer = threading.Lock()
-        self._unencoded: list[Frame] = []
+        self._unencoded: list[FrameColumns] = []
         self._unencoded_rows = 0
         self._backlog: deque[_Chunk] = deque()
         self._backlog_bytes = 0
@@ -2649,17 +2550,29 @@ class Store:
     # -- writing ---------------------------------------------------------------------------
     def append(self, frames: Iterable[Frame]) -> None:
         """Buffer frames for the next :meth:`flush` (nothing touches the disk here)."""
+        by_kind: dict[str, list[Frame]] = {}
+        for fr in frames:
+            if fr.rows:
+                by_kind.setdefault(fr.kind, []).append(fr)
+        self.append_columns([FrameColumns.of(kind, frs) for kind, frs in by_kind.items()])
+
+    def append_columns(self, chunks: Iterable[FrameColumns]) -> None:
+        """Buffer rows already made columns (:meth:`FrameColumns.of`) for the next :meth:`flush`.
+
+        The arrays are kept as they are, never changed: the agent's window reads the same ones.
+        """
         self._need_writer()
         with self._buffer:
-            for fr in frames:
-                self._unencoded.append(fr)
-                self._unencoded_rows += len(fr.rows)
+            for c in chunks:
+                if c.n:
+                    self._unencoded.append(c)
+                    self._unencoded_rows += c.n
             over = self._unencoded_rows > MAX_UNENCODED_ROWS
             if self._unencoded_rows > MAX_WAITING_ROWS:
                 # The writer has been stuck for minutes (a hung disk): keep the newest rows.
                 cut, rows = 0, self._unencoded_rows
                 while rows > MAX_WAITING_ROWS and cut < len(self._unencoded) - 1:
-                    rows -= len(self._unencoded[cut].rows)
+                    rows -= self._unencoded[cut].n
                     cut += 1
                 del self._unencoded[:cut]
                 self._dropped_rows += self._unencoded_rows - rows
@@ -2694,13 +2607,14 @@ class Store:
     def _encode_unencoded(self) -> None:
         """Encode the frames handed over so far into the backlog (the caller holds the writer's lock)."""
         with self._buffer:
-            frames, self._unencoded, self._unencoded_rows = self._unencoded, [], 0
-        by_kind: dict[str, list[Frame]] = {}
-        for fr in frames:
-            if fr.rows:
-                by_kind.setdefault(fr.kind, []).append(fr)
-        for kind, frames in by_kind.items():
-            n, columns = _columns_from_frames(frames)
+            chunks, self._unencoded, self._unencoded_rows = self._unencoded, [], 0
+        by_kind: dict[str, list[FrameColumns]] = {}
+        for c in chunks:
+            by_kind.setdefault(c.kind, []).append(c)
+        for kind, chunks in by_kind.items():
+            # Several chunks of a kind in one flush join as a seal joins fresh blocks.
+            n, columns = (chunks[0].n, dict(chunks[0].columns)) if len(chunks) == 1 else \
+                _concat_columns([(c.n, dict(c.columns)) for c in chunks])
             ts = columns["t"]
             block, twin = encode_fresh(columns, n, self._repeats.setdefault(kind, {}))
             chunk = _Chunk(kind, float(ts.min()), float(ts.max()), _uniform_node(columns), n, block, twin)

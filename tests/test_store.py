@@ -26,10 +26,16 @@ from gpudiag.agent.store import SCHEMA_VERSION, SIZE_RETENTION_TARGET_RATIO, Sto
 from gpudiag.catalog import M
 from gpudiag.errors import GpudiagError
 from gpudiag.findings import Evidence, Finding, Severity
-from gpudiag.frames import Frame, Window
+from gpudiag.frames import Frame, FrameColumns, Window, column_array
 
 MIB = 1024**2
 T0 = 1_767_225_600.0  # a multiple of every chunk span used below
+
+
+def _columns_of(frames):
+    """(rows, columns) of frames of one kind, as the store takes them (FrameColumns.of)."""
+    c = FrameColumns.of(frames[0].kind, frames)
+    return c.n, dict(c.columns)
 
 
 def node_frames(tick: int, *, gpus: int = 2, processes: int = 3, t0: float = T0, seed: int = 0) -> list[Frame]:
@@ -312,11 +318,10 @@ def test_a_flush_that_fails_keeps_no_twins_and_its_chunks_are_sealed_from_the_st
 
 
 def test_a_fresh_chunk_decodes_equal_dicts_of_strings_as_one_object():
-    from gpudiag.agent.store import _columns_from_frames
 
     why = {M.process_torch_allocated_bytes: "no in-process reporter", M.process_torch_reserved_bytes: "no reporter"}
     frames = [Frame("process", T0 + i, [{"pid": j, "missing_reasons": dict(why)} for j in range(50)]) for i in range(4)]
-    n, columns = _columns_from_frames(frames)
+    n, columns = _columns_of(frames)
     got = decode_block(encode_block(columns, n, sealed=False))[1]["missing_reasons"].tolist()
     assert got == [why] * 200
     assert len({id(d) for d in got}) == 1  # 200 rows, one dict: a seal of a busy node holds ~40 000 of them
@@ -327,7 +332,7 @@ def test_a_string_column_repeated_from_the_last_fresh_block_is_written_byte_for_
     # the kind's last one from it instead of writing its JSON again. The blocks and their twins must be
     # what encoding each anew gives, whatever the columns turn into from one second to the next.
     from gpudiag.agent import store as store_module
-    from gpudiag.agent.store import _columns_from_frames, encode_fresh
+    from gpudiag.agent.store import encode_fresh
 
     class Name(str):
         pass
@@ -354,7 +359,7 @@ def test_a_string_column_repeated_from_the_last_fresh_block_is_written_byte_for_
     repeats: dict = {}
     for i, values in enumerate(seconds):
         rows = [{"pid": j, "process": v, "uuid": "GPU-1"} for j, v in enumerate(values)]
-        n, columns = _columns_from_frames([Frame("process", T0 + i, rows)])
+        n, columns = _columns_of([Frame("process", T0 + i, rows)])
         encoded.clear()
         block, twin = encode_fresh(columns, n, repeats)
         anew = list(encoded)
@@ -437,9 +442,8 @@ def test_every_column_codec_is_lossless(data):
     }
     values = {name: data.draw(strategy) for name, strategy in columns_of.items()}
     frames = [Frame("process", float(i), [{"pid": i % 3, **{k: v[i] for k, v in values.items()}}]) for i in range(n)]
-    from gpudiag.agent.store import _columns_from_frames
 
-    rows, columns = _columns_from_frames(frames)
+    rows, columns = _columns_of(frames)
     for sealed in (False, True):
         got_n, got = decode_block(encode_block(columns, rows, sealed=sealed))
         assert got_n == n
@@ -884,14 +888,13 @@ def test_a_block_of_schema_3_with_steps_down_still_reads_exactly():
 
 
 def test_request_latencies_are_kept_to_the_microsecond_and_everything_else_exactly():
-    from gpudiag.agent.store import _columns_from_frames
 
     rng = np.random.default_rng(3)
     ttft = rng.lognormal(-2.5, 0.6, 500)
     ratio = rng.random(500)
     frames = [Frame("request", 100.0 + i, [{"gpu": 0, "request_id": f"r{i}", M.time_to_first_token_seconds: ttft[i],
                                             "ratio": ratio[i]}]) for i in range(500)]
-    rows, columns = _columns_from_frames(frames)
+    rows, columns = _columns_of(frames)
     for sealed in (False, True):
         _, got = decode_block(encode_block(columns, rows, sealed=sealed))
         assert np.abs(got[M.time_to_first_token_seconds] - ttft).max() <= 0.5e-6
@@ -1003,10 +1006,9 @@ def _write_schema_1(path: str) -> None:
         CREATE TABLE findings (id TEXT PRIMARY KEY, kind TEXT NOT NULL, severity TEXT NOT NULL,
                                start_s REAL NOT NULL, end_s REAL, json TEXT NOT NULL);
     """)
-    from gpudiag.agent.store import _columns_from_frames
 
     frames = [fr for tick in range(10) for fr in node_frames(tick) if fr.kind == "gpu"]
-    n, columns = _columns_from_frames(frames)
+    n, columns = _columns_of(frames)
     conn.execute("INSERT INTO frames_gpu VALUES (?, ?, 'node-a', ?, 1, ?)",
                  (T0, T0 + 9.01, n, as_zlib_block(encode_block(columns, n))))
     finding = Finding("cpu_starved", Severity.WARNING, T0, T0 + 9, "host-bound", gpu=1, node="node-a")
@@ -1512,7 +1514,7 @@ def test_a_fresh_columns_twin_is_what_decoding_its_block_gives_back(values):
     from gpudiag.agent import store
 
     n = len(values)
-    a = store._array(values)
+    a = column_array(values)
     twin: dict = {}
     block = store.encode_block({"t": np.arange(n, dtype=np.float64), "c": a}, n, sealed=False, twin=twin)
     _, decoded = store._flattened(store.decode_block(block, raw=True))
@@ -1524,26 +1526,24 @@ def test_a_fresh_columns_twin_is_what_decoding_its_block_gives_back(values):
                           st.builds(np.int64, st.integers(-5, 5))), max_size=6),
        st.lists(st.sampled_from(["x", "", {}, {"a": 1}]), min_size=1, max_size=3), st.randoms())
 def test_a_column_with_a_string_or_a_dict_is_kept_as_objects_as_it_is(others, objects, rnd):
-    from gpudiag.agent import store
 
     values = others + objects
     rnd.shuffle(values)
-    got = store._array(values)
+    got = column_array(values)
     assert got.dtype == object and len(got) == len(values) and all(x is v for x, v in zip(got.tolist(), values))
 
 
 def test_a_column_becomes_the_numpy_array_its_python_types_make():
-    from gpudiag.agent import store
 
     cases = [([1.5, 2.0], np.float64), ([None, 1, 2.5], np.float64), ([1, 2], np.int64), ([True, False], bool),
              ([None, None], object), (["a", "b"], object), ([None, "a"], object), ([2**70, 1], object),
              ([[1], [2]], object), ([True, 1], object), ([1.5, False], object), ([np.True_, 2], object)]
     for values, dtype in cases:
-        got = store._array(values)
+        got = column_array(values)
         assert got.dtype == dtype and len(got) == len(values), values
         if dtype is object:
             assert all(x is v for x, v in zip(got.tolist(), values)), values
-    assert np.isnan(store._array([None, 1])[0])
+    assert np.isnan(column_array([None, 1])[0])
 
 
 def test_a_column_of_shared_dicts_encodes_as_one_of_equal_separate_dicts():

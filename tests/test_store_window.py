@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 import zstandard
 
-from gpudiag.agent.store import Store, _columns_from_frames, _window_table, decode_table, encode_block
+from gpudiag.agent.store import Store, _window_table, decode_table, encode_block
 from gpudiag.catalog import M
-from gpudiag.frames import DictColumn, Frame, Table
+from gpudiag.frames import DictColumn, Frame, FrameColumns, Table
 
 T0 = 1_767_225_600.0
 
@@ -151,7 +151,8 @@ def varied_blocks(seed: int) -> list[bytes]:
                             "bool": bool(rng.random() < 0.5)}[mixed]
                     rows.append(row)
             frames.append(Frame("process", start + tick + float(rng.uniform(0, 0.01)), rows))
-        n, columns = _columns_from_frames(frames)
+        chunk = FrameColumns.of(frames[0].kind, frames)
+        n, columns = chunk.n, dict(chunk.columns)
         block = encode_block(columns, n, sealed=bool(rng.random() < 0.7))
         blocks.append(as_zlib_block(block) if rng.random() < 0.25 else block)  # a store from before zstd
     return blocks
@@ -187,7 +188,8 @@ def test_a_long_block_is_read_in_two_steps_in_either_codec(codec):
          M.process_cpu_utilization_ratio: float(rng.random()),
          M.process_resident_memory_bytes: int(rng.integers(0, 1 << 50))}
         for j in range(64)]) for tick in range(600)]
-    n, columns = _columns_from_frames(frames)
+    chunk = FrameColumns.of(frames[0].kind, frames)
+    n, columns = chunk.n, dict(chunk.columns)
     block = encode_block(columns, n)
     blocks = [as_zlib_block(block) if codec == "zlib" else block]
     assert len(blocks[0]) > 4 * (1 << 16)
@@ -202,7 +204,8 @@ def test_a_window_read_decodes_a_column_when_it_is_first_read_and_labels_group_w
         frames = [Frame("process", T0 + 10 * b + i, [
             {"node": "node-a", "gpu": j % 2, "pid": 100 + j, "process": f"worker-{j}",
              M.process_gpu_memory_bytes: 1000 * b + 10 * i + j} for j in range(4)]) for i in range(10)]
-        n, columns = _columns_from_frames(frames)
+        chunk = FrameColumns.of(frames[0].kind, frames)
+        n, columns = chunk.n, dict(chunk.columns)
         blocks.append(encode_block(columns, n))
     table = Store._table_of(blocks, -math.inf, math.inf, None)
     cols = table.columns
@@ -234,7 +237,8 @@ def in_time_order_blocks(seed: int, *, legacy: bool = True) -> list[bytes]:
                              M.process_gpu_memory_bytes: int(rng.integers(0, 1 << 30))})
             frames.append(Frame("process", t, rows))
             t += 1.0
-        n, columns = _columns_from_frames(frames)
+        chunk = FrameColumns.of(frames[0].kind, frames)
+        n, columns = chunk.n, dict(chunk.columns)
         block = encode_block(columns, n, sealed=bool(rng.random() < 0.7))
         blocks.append(as_zlib_block(block) if rng.random() < 0.25 and legacy else block)  # a store from before zstd
     return blocks
@@ -273,7 +277,8 @@ def test_a_steady_nodes_repeated_blocks_give_the_groups_a_sort_gives_when_one_la
                     row["gpu"] = 1
                 rows.append(row)
             frames.append(Frame("process", T0 + 5 * b + i, rows))
-        n, columns = _columns_from_frames(frames)
+        chunk = FrameColumns.of(frames[0].kind, frames)
+        n, columns = chunk.n, dict(chunk.columns)
         return encode_block(columns, n)
 
     taken = []
@@ -351,7 +356,8 @@ def test_a_steady_nodes_column_in_entity_order_is_made_block_by_block_and_equals
             {"node": "node-a", "gpu": j % 3, "pid": 100 + j, "process": f"worker-{j}",
              M.process_gpu_memory_bytes: 1000 * b + 10 * i + j, M.process_cpu_utilization_ratio: (i + j) / 100}
             for j in range(6)]) for i in range(10)]
-        n, columns = _columns_from_frames(frames)
+        chunk = FrameColumns.of(frames[0].kind, frames)
+        n, columns = chunk.n, dict(chunk.columns)
         blocks.append(encode_block(columns, n))
     for start_s, end_s in [(-math.inf, math.inf), (T0 + 3, T0 + 44)]:  # whole blocks, and blocks cut at both ends
         have = Store._table_of(blocks, start_s, end_s, None)
@@ -368,7 +374,8 @@ def test_blocks_in_time_order_are_joined_without_a_sort_and_others_are_sorted():
     for b in range(6):
         frames = [Frame("gpu", T0 + 10 * b + i, [{"node": "n", "gpu": g, "util": float(rng.random())}
                                                  for g in range(3)]) for i in range(10)]
-        n, columns = _columns_from_frames(frames)
+        chunk = FrameColumns.of(frames[0].kind, frames)
+        n, columns = chunk.n, dict(chunk.columns)
         blocks.append(encode_block(columns, n))
     in_order = Store._table_of(blocks, T0 + 5, T0 + 55, None)
     assert (np.diff(in_order.columns["t"]) >= 0).all() and in_order.n == 51 * 3
@@ -396,7 +403,8 @@ def test_a_store_window_reads_chunks_in_start_order_with_ties_in_write_order(tmp
     # keep the order of their chunks.
     conn = sqlite3.connect(path)
     frames = [Frame("gpu", T0 + 30 + i, [{"node": "node-a", "gpu": 7, "util": 0.5}]) for i in range(11)]
-    n, columns = _columns_from_frames(frames)
+    chunk = FrameColumns.of(frames[0].kind, frames)
+    n, columns = chunk.n, dict(chunk.columns)
     conn.execute("INSERT INTO frames_gpu (t_start, t_end, node, n_rows, sealed, data) VALUES (?, ?, ?, ?, 1, ?)",
                  (T0 + 30, T0 + 40, "node-a", n, encode_block(columns, n)))
     conn.commit()
