@@ -1200,8 +1200,8 @@ def encode_block(columns: dict, n: int, *, sealed: bool = True, twin: dict | Non
     ``sealed=False`` writes a fresh block: cheap codecs, the fastest compression level, rows in
     their appended order. Per-request latencies are rounded to the microsecond. ``twin`` (fresh
     blocks only) is filled with what decoding the block gives back (see :func:`encode_fresh`).
-    ``repeats`` (fresh blocks only): the string columns of the kind's last fresh block, by name,
-    kept up to date here; a column equal to its entry reuses that encoding (see :func:`encode_fresh`).
+    ``repeats`` (fresh blocks only): the columns of the kind's last fresh block, by name, kept up
+    to date here; a column equal to its entry reuses that encoding (see :func:`encode_fresh`).
     """
     columns = {k: _at_resolution(k, v) for k, v in columns.items()}
     if sealed:
@@ -1218,15 +1218,32 @@ def encode_block(columns: dict, n: int, *, sealed: bool = True, twin: dict | Non
     for name, a in columns.items():
         if order is not None:
             a = a.take(order) if isinstance(a, _DictColumn) else a[order]
+        if repeats is not None and isinstance(a, np.ndarray) and a.dtype.kind in "biuf":
+            # A number column: raw bytes, compared as bytes with the kind's last block's (NaN and -0.0 too).
+            raw = a.tobytes()
+            entry = repeats.get(name)
+            if entry is not None and entry[0] == "raw" and entry[1] == a.dtype.str and entry[2] == raw:
+                meta, frame = entry[3], entry[4]
+            else:
+                meta = {"codec": "raw", "dtype": a.dtype.str, "sizes": [len(raw)], "name": name}
+                frame = _compress(raw, level)
+                meta["z"] = len(frame)
+                repeats[name] = ("raw", a.dtype.str, raw, meta, frame)
+            frames.append(frame)
+            if twin is not None:
+                twin[name] = _InBlock(body, len(frame), a.dtype)
+            body += len(frame)
+            header["columns"].append(meta)
+            continue
         strings = repeats is not None and isinstance(a, np.ndarray) and a.dtype == object
         if strings:
             values = a.tolist()
-            repeated = _repeated(repeats.get(name), values)
+            repeated = _repeated(repeats.get(name), values, a, twin is not None)
             if repeated is not None:
-                meta, frame = repeated
+                meta, frame, kept = repeated
                 frames.append(frame)
                 if twin is not None:
-                    twin[name] = a
+                    twin[name] = a if kept is None else kept
                 body += len(frame)
                 header["columns"].append(meta)
                 continue
@@ -1235,14 +1252,16 @@ def encode_block(columns: dict, n: int, *, sealed: bool = True, twin: dict | Non
             parts_of = {p: columns[p] if order is None else columns[p][order] for p in SUM_OF_PARTS[name]}
         meta, parts = _encode_column(a, sealed=sealed, parts_of=parts_of)
         frames.append(_compress_parts(parts, n, level, sealed))
-        if strings:
-            if meta["codec"] == "jsonlist" and set(map(type, values)) <= _STR_OR_NONE:
-                repeats[name] = (values, meta, frames[-1])
-            else:
-                repeats.pop(name, None)
         if twin is not None and not sealed:
             twin[name] = _InBlock(body, len(frames[-1]), a.dtype) if meta["codec"] == "raw" \
                 else _twin_of(a, meta, parts)
+        if strings:
+            if meta["codec"] == "jsonlist" and set(map(type, values)) <= _STR_OR_NONE:
+                repeats[name] = ("strings", values, meta, frames[-1])
+            elif twin is not None and len(values) <= REPEAT_BY_TEXT_MAX_ROWS and (text := _text_of(values)):
+                repeats[name] = ("text", text, meta, frames[-1], twin[name], _shares_dicts(a))
+            else:
+                repeats.pop(name, None)
         body += len(frames[-1])
         meta["name"] = name
         meta["z"] = len(frames[-1])
@@ -1283,31 +1302,53 @@ def encode_fresh(columns: dict, n: int, repeats: dict | None = None) -> tuple[by
     equals the decoded block value for value and a seal from either is the same block. A
     number column stays in the block: the twin holds where (an :class:`_InBlock`).
 
-    ``repeats`` is a kind's memory of its last block's string columns. A node's names, uuids
-    and labels are the same second after second; a column equal to the one before (compared in
-    C, a fraction of the cost of writing its JSON and compressing it) takes that column's frame
-    and header entry as they are, so the block is byte for byte what encoding it anew makes.
+    ``repeats`` is a kind's memory of its last block's columns. A node's names, uuids, labels,
+    limits and error counters are the same second after second (on a busy node half the columns
+    of a second, three in four of a GPU's); a column equal to the one before (numbers byte for
+    byte, strings compared in C, other small columns by their repr: a fraction of the cost of
+    writing and compressing them) takes that column's frame, header entry and twin as they are,
+    so the block is byte for byte what encoding it anew makes.
     """
     twin: dict = {}
     return encode_block(columns, n, sealed=False, twin=twin, repeats=repeats), twin
 
 
-def _repeated(entry: tuple | None, values: list) -> tuple[dict, bytes] | None:
-    """(header entry, frame) of a string column equal to ``entry``'s values; None: encode it.
+def _repeated(entry: tuple | None, values: list, a: np.ndarray, twins: bool) -> tuple[dict, bytes, Any] | None:
+    """(header entry, frame, twin) of an object column that encodes as ``entry``'s did; None: encode it.
 
-    ``entry`` holds only strings and None, so equal values are strings (or str subclasses, which
-    JSON writes alike) and None at the same places: their JSON text is the entry's.
+    The twin is None where it is the array itself (strings). An entry of strings and None holds
+    the values: equal values are strings (or str subclasses, which JSON writes alike) and None at
+    the same places, so their JSON text is the entry's. An entry of other values (a GPU's
+    per-label counters, which rarely move) holds their repr, taken when they were encoded (a dict
+    may change in place after): equal reprs are values of equal types and JSON text, and with
+    the same dicts shared between rows or not (:func:`_shares_dicts`) the same encoding.
     """
-    if entry is None:
+    if entry is None or entry[0] == "raw":
         return None
+    if entry[0] == "strings":
+        try:
+            same = entry[1] == values
+        except Exception:  # noqa: BLE001 - a value whose comparison fails is simply not a repeat
+            same = False
+        return (entry[2], entry[3], None) if same else None
+    same = twins and len(values) <= REPEAT_BY_TEXT_MAX_ROWS and entry[5] == _shares_dicts(a) \
+        and entry[1] == _text_of(values)
+    return (entry[2], entry[3], entry[4]) if same else None
+
+
+def _text_of(values: list) -> str | None:
+    """The repr that _repeated compares; None where a value's repr fails (such a column never repeats)."""
     try:
-        same = entry[0] == values
-    except Exception:  # noqa: BLE001 - a value whose comparison fails is simply not a repeat
-        same = False
-    return (entry[1], entry[2]) if same else None
+        return repr(values)
+    except Exception:  # noqa: BLE001 - a probe's odd value: encoded anew every time
+        return None
 
 
 _STR_OR_NONE = frozenset((str, type(None)))
+# An object column of other values than strings repeats when its repr does (_repeated): a GPU's
+# counters by label, a row a GPU. Larger columns (a process's counters, which move every second)
+# would pay the repr for nothing.
+REPEAT_BY_TEXT_MAX_ROWS = 64
 
 
 def _twin_of(a, meta: dict, parts: list[bytes]):
@@ -2322,7 +2363,7 @@ class Store:
         # Per kind, the twins (encode_fresh) of the fresh chunks this writer committed, by rowid:
         # (t_end, rows, columns). A seal takes them instead of decoding the chunks it merges.
         self._twins: dict[str, dict[int, tuple[float, int, dict]]] = {}
-        self._repeats: dict[str, dict] = {}  # per kind, its last fresh block's string columns (encode_fresh)
+        self._repeats: dict[str, dict] = {}  # per kind, its last fresh block's columns (encode_fresh)
         self._pending_findings: dict[str, dict] = {}
         self._errors: dict[str, int] = {}
         self._logged: set[str] = set()

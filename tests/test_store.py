@@ -374,17 +374,31 @@ def test_a_string_column_repeated_from_the_last_fresh_block_is_written_byte_for_
         assert (["GPU-1"] * len(values) in anew) == (i == 0 or len(values) != len(seconds[i - 1])), i
 
 
-def test_a_string_column_whose_comparison_fails_is_encoded_anew():
-    from gpudiag.agent.store import _repeated
+def test_a_column_whose_comparison_or_repr_fails_is_encoded_anew():
+    from gpudiag.agent.store import _repeated, encode_fresh
 
     class Hostile:
         def __eq__(self, other):
             raise RuntimeError("no comparing me")
 
-    entry = (["a", "b"], {"codec": "jsonlist"}, b"frame")
-    assert _repeated(entry, ["a", Hostile()]) is None
-    assert _repeated(entry, ["a", "b"]) == ({"codec": "jsonlist"}, b"frame")
-    assert _repeated(None, ["a", "b"]) is None
+        def __repr__(self):
+            raise RuntimeError("no printing me")
+
+        def __str__(self):
+            return "hostile"
+
+    entry = ("strings", ["a", "b"], {"codec": "jsonlist"}, b"frame")
+    values = ["a", Hostile()]
+    assert _repeated(entry, values, np.array(values, dtype=object), True) is None
+    same = ["a", "b"]
+    assert _repeated(entry, same, np.array(same, dtype=object), True) == ({"codec": "jsonlist"}, b"frame", None)
+    assert _repeated(None, ["a", "b"], np.array(["a", "b"], dtype=object), True) is None
+    # A column of such values in a block: written (as text) every second, never compared by its repr.
+    repeats: dict = {}
+    for k in range(2):
+        n, columns = _columns_of([Frame("gpu", T0 + k, [{"gpu": 0, "odd": [Hostile()]}])])
+        block, _ = encode_fresh(columns, n, repeats)
+        assert decode_block(block)[1]["odd"].tolist() == [["hostile"]]
 
 
 def test_a_time_range_window_holds_exactly_the_rows_inside_it(tmp_path):
@@ -1559,3 +1573,71 @@ def test_a_column_of_shared_dicts_encodes_as_one_of_equal_separate_dicts():
     got_shared, got_separate = store._json_codes(shared), store._json_codes(separate)
     assert got_shared[1] == got_separate[1] and np.array_equal(got_shared[0], got_separate[0])
     assert encode_block({"missing_reasons": shared}, 600) == encode_block({"missing_reasons": separate}, 600)
+
+
+def test_number_and_counter_columns_repeated_from_the_last_fresh_block_are_written_byte_for_byte_as_anew(monkeypatch):
+    # Limits, clocks and error counters by label are the same second after second: a fresh block takes a
+    # number column equal byte for byte, or a small column of other values with the same repr, from the
+    # kind's last block. Every block and twin must be what encoding it anew gives.
+    from gpudiag.agent import store as store_module
+    from gpudiag.agent.store import REPEAT_BY_TEXT_MAX_ROWS, _InBlock, encode_fresh
+
+    shared = {"corrected": 0}
+    changed = {"corrected": 0}
+    seconds = [
+        ([300, 300], [{"corrected": 0}, {"corrected": 1}]),
+        ([300, 300], [{"corrected": 0}, {"corrected": 1}]),  # equal: both repeat
+        ([300.0, 300.0], [{"corrected": 0.0}, {"corrected": 1}]),  # equal values of other types
+        ([300.0, 300.0], [{"corrected": 0.0}, {"corrected": 1}]),
+        ([-0.0, 0.0], [{"corrected": 1}, {"corrected": 0}]),  # -0.0 == 0.0, but not byte for byte
+        ([0.0, -0.0], [{"corrected": 1}, {"corrected": 0}]),
+        ([float("nan"), 0.0], [shared, shared]),  # one dict in both rows: written once, with codes
+        ([float("nan"), 0.0], [dict(shared), dict(shared)]),  # equal, not shared
+        ([1.0, 0.0], [changed, {"corrected": 0}]),
+        ([1.0, 0.0], [changed, {"corrected": 0}]),  # changed in place below, before this second
+        ([1.0, 0.0], [{"corrected": 2}, {"corrected": 0}]),
+        ([1.0, 0.0, 2.0], [{"corrected": 2}, {"corrected": 0}, None]),  # a row more
+    ]
+    encoded: list = []
+    real = store_module._encode_column
+    monkeypatch.setattr(store_module, "_encode_column", lambda a, **kw: encoded.append(a.tolist()) or real(a, **kw))
+    real_compress = store_module._compress
+    monkeypatch.setattr(store_module, "_compress",
+                        lambda data, level: encoded.append(data) or real_compress(data, level))
+    repeats: dict = {}
+    for i, (limits, ecc) in enumerate(seconds):
+        if i == 9:
+            changed["corrected"] = 5
+        rows = [{"gpu": g, M.gpu_power_limit_watts: w, M.gpu_ecc_errors_total: e}
+                for g, (w, e) in enumerate(zip(limits, ecc))]
+        n, columns = _columns_of([Frame("gpu", T0 + i, rows)])
+        encoded.clear()
+        block, twin = encode_fresh(columns, n, repeats)
+        anew = list(encoded)
+        want_block, want_twin = encode_fresh(columns, n)
+        assert block == want_block, i
+        assert twin.keys() == want_twin.keys()
+        got_limits = twin[M.gpu_power_limit_watts].read(block)
+        assert isinstance(twin[M.gpu_power_limit_watts], _InBlock)
+        assert got_limits.tobytes() == want_twin[M.gpu_power_limit_watts].read(want_block).tobytes()
+        assert decode_block(block)[1][M.gpu_ecc_errors_total].tolist() == ecc
+        assert store_module._DictColumn.concat([twin[M.gpu_ecc_errors_total]], [n]).to_objects().tolist() \
+            == store_module._DictColumn.concat([want_twin[M.gpu_ecc_errors_total]], [n]).to_objects().tolist() \
+            if isinstance(want_twin[M.gpu_ecc_errors_total], store_module._DictColumn) \
+            else twin[M.gpu_ecc_errors_total].tolist() == want_twin[M.gpu_ecc_errors_total].tolist()
+        raw = np.asarray(limits, dtype=columns[M.gpu_power_limit_watts].dtype).tobytes()
+        before = seconds[i - 1] if i else None
+        same_limits = i > 0 and raw == np.asarray(before[0], dtype=np.asarray(before[0]).dtype).tobytes() \
+            and type(limits[0]) is type(before[0][0])
+        assert (raw in anew) == (not same_limits), (i, "limits")
+        same_ecc = i > 0 and repr(ecc) == repr(before[1]) and (ecc[0] is ecc[1]) == (before[1][0] is before[1][1]) \
+            and i != 9
+        assert (ecc in anew) == (not same_ecc), (i, "ecc")
+    # A column of more rows than REPEAT_BY_TEXT_MAX_ROWS is not compared by its repr: written anew.
+    rows = [{"gpu": g, M.gpu_ecc_errors_total: {"corrected": 0}} for g in range(REPEAT_BY_TEXT_MAX_ROWS + 1)]
+    for k in range(2):
+        n, columns = _columns_of([Frame("gpu", T0 + 100 + k, rows)])
+        encoded.clear()
+        block, _ = encode_fresh(columns, n, repeats)
+        assert [r[M.gpu_ecc_errors_total] for r in rows] in encoded
+        assert block == encode_fresh(columns, n)[0]
