@@ -342,6 +342,40 @@ def test_a_failing_or_stuck_probe_never_stalls_the_others(tmp_path):
         assert len(store.window(lo, hi, kinds=["gpu"]).table("gpu")) >= 20
 
 
+class MalformedProbe(Probe):
+    """A tick whose gpu frame holds a row that is not a dict, beside a good node frame."""
+
+    name = "malformed"
+
+    def sample(self, now):
+        return [Frame("node", now, [{"node": "n", M.node_memory_total_bytes: 1}]),
+                Frame("gpu", now, [{"gpu": 7, M.gpu_utilization_ratio: 0.5}, ["not", "a", "dict"]])]
+
+
+def test_a_malformed_frame_is_counted_and_reaches_no_consumer_while_other_frames_are_stored(tmp_path):
+    # Rows become columns once, before anything takes them: a probe's bad tick is dropped whole and
+    # counted, and the frames the other probes handed over are written as before.
+    cfg = AgentConfig().with_overrides({"store.path": str(tmp_path / "s.db")})
+    agent = Agent(cfg, probes=[], serve_metrics=False)
+    good = ProbeSlot("good", TickProbe(), 1.0, agent._ingest)
+    bad = ProbeSlot("bad", MalformedProbe(), 1.0, agent._ingest)
+    try:
+        good.tick()
+        bad.tick()
+        good.tick()
+        assert bad.errors == {"bad_frames": 1} and not good.errors
+        assert [r["gpu"] for r in agent.latest.snapshot().rows["gpu"]] == [0]
+        assert "node" not in agent.latest.snapshot().rows
+        assert agent.store.flush() == 2
+        win = agent.window.window()
+        assert win.rows("gpu")["gpu"].tolist() == [0, 0] and "node" not in win.tables
+    finally:
+        agent.stop()
+    with Store.open(str(tmp_path / "s.db"), readonly=True) as store:
+        lo, hi = store.time_range()
+        assert store.window(lo, hi).table("gpu")["gpu"].tolist() == [0, 0]
+
+
 class TickProbe(CountingProbe):
     """A GPU row whose utilization is the tick count over a million: which tick the exporter serves."""
 
