@@ -1203,6 +1203,8 @@ def encode_block(columns: dict, n: int, *, sealed: bool = True, twin: dict | Non
     ``repeats`` (fresh blocks only): the columns of the kind's last fresh block, by name, kept up
     to date here; a column equal to its entry reuses that encoding (see :func:`encode_fresh`).
     """
+    if sealed and (twin is not None or repeats is not None):
+        raise ValueError("twin and repeats are for fresh blocks (sealed=False) only")
     columns = {k: _at_resolution(k, v) for k, v in columns.items()}
     if sealed:
         columns = {k: _flat_dicts(v) for k, v in columns.items()}
@@ -1238,7 +1240,7 @@ def encode_block(columns: dict, n: int, *, sealed: bool = True, twin: dict | Non
         strings = repeats is not None and isinstance(a, np.ndarray) and a.dtype == object
         if strings:
             values = a.tolist()
-            repeated = _repeated(repeats.get(name), values, a, twin is not None)
+            repeated = _repeated(repeats.get(name), values, a)
             if repeated is not None:
                 meta, frame, kept = repeated
                 frames.append(frame)
@@ -1313,7 +1315,7 @@ def encode_fresh(columns: dict, n: int, repeats: dict | None = None) -> tuple[by
     return encode_block(columns, n, sealed=False, twin=twin, repeats=repeats), twin
 
 
-def _repeated(entry: tuple | None, values: list, a: np.ndarray, twins: bool) -> tuple[dict, bytes, Any] | None:
+def _repeated(entry: tuple | None, values: list, a: np.ndarray) -> tuple[dict, bytes, Any] | None:
     """(header entry, frame, twin) of an object column that encodes as ``entry``'s did; None: encode it.
 
     The twin is None where it is the array itself (strings). An entry of strings and None holds
@@ -1331,8 +1333,7 @@ def _repeated(entry: tuple | None, values: list, a: np.ndarray, twins: bool) -> 
         except Exception:  # noqa: BLE001 - a value whose comparison fails is simply not a repeat
             same = False
         return (entry[2], entry[3], None) if same else None
-    same = twins and len(values) <= REPEAT_BY_TEXT_MAX_ROWS and entry[5] == _shares_dicts(a) \
-        and entry[1] == _text_of(values)
+    same = len(values) <= REPEAT_BY_TEXT_MAX_ROWS and entry[5] == _shares_dicts(a) and entry[1] == _text_of(values)
     return (entry[2], entry[3], entry[4]) if same else None
 
 

@@ -513,18 +513,14 @@ def _column_from_pieces(n: int, pieces: list[tuple[np.ndarray | None, tuple]], k
     a bool column into object), as pandas fills a missing key.
     """
     covered = sum(len(v) for _, v in pieces)
-    missing = covered < n
     if "d" in kinds:
         return DictColumn.from_values(n, pieces)
-    try:
-        if kinds <= {"i"} and not missing:
-            return _scatter(n, pieces, np.int64, 0)
-        if kinds <= {"i", "f", "n"} and "b" not in kinds:
-            return _scatter(n, pieces, np.float64, np.nan)
-        if kinds <= {"b"} and not missing:
-            return _scatter(n, pieces, np.bool_, False)
-    except (OverflowError, TypeError, ValueError):
-        pass
+    dtype = _plain_dtype(kinds, covered < n)
+    if dtype is not None:
+        try:
+            return _scatter(n, pieces, dtype, _fill_of(dtype))
+        except (OverflowError, TypeError, ValueError):
+            pass
     out = np.full(n, _NAN, dtype=object)
     strings = kinds <= {"s", "n"}
     for positions, values in pieces:
@@ -546,7 +542,7 @@ def _column_from_chunks(name: str, chunks: list[FrameColumns], sizes: list[int],
     numbers with gaps (None), which it holds as floats and NaN: they give a float column either way;
     only in a column that also holds other values (strings, bools) do they stay so among its objects.
     """
-    parts: list[tuple[int, np.ndarray, np.ndarray | None]] = []  # (first row, array, absent rows)
+    parts: list[tuple[int, np.ndarray, np.ndarray | None, list | None]] = []  # (first row, array, absent, objects)
     kinds: set[str] = set()
     missing = False
     at = 0
@@ -558,33 +554,34 @@ def _column_from_chunks(name: str, chunks: list[FrameColumns], sizes: list[int],
             absent = c.absent(name)
             if absent is not None:
                 missing = True
-            k = a.dtype.kind
-            if k in "ifb":
-                kinds.add(k)
-            else:
+            values = None
+            if a.dtype.kind in "ifb":
+                kinds.add(a.dtype.kind)
+            else:  # objects: the kinds of the values of the rows that have the key
                 values = a.tolist() if absent is None else list(itertools.compress(a.tolist(), ~absent))
                 kinds.update(_KIND_OF_TYPE.get(tp) or _kind_of(tp) for tp in set(map(type, values)))
-            parts.append((at, a, absent))
+            parts.append((at, a, absent, values))
         at += size
     if "d" in kinds:
         pieces = []
-        for start, a, absent in parts:
+        for start, a, absent, values in parts:
             rows = np.arange(start, start + len(a)) if absent is None else start + np.flatnonzero(~absent)
-            values = a.tolist() if absent is None else list(itertools.compress(a.tolist(), ~absent))
+            if values is None:  # a number part: its values are read here
+                values = a.tolist() if absent is None else list(itertools.compress(a.tolist(), ~absent))
             pieces.append((None if len(rows) == n else rows, values))
         return DictColumn.from_values(n, pieces)
-    try:
-        if kinds <= {"i"} and not missing:
-            return _joined(parts, n, np.int64, 0)
-        if kinds <= {"i", "f", "n"} and "b" not in kinds:
-            return _joined(parts, n, np.float64, np.nan)
-        if kinds <= {"b"} and not missing:
-            return _joined(parts, n, np.bool_, False)
-    except (OverflowError, TypeError, ValueError):
-        pass
+    dtype = _plain_dtype(kinds, missing)
+    if dtype is not None:
+        try:
+            out = np.full(n, _fill_of(dtype), dtype=dtype)
+            for start, a, _, values in parts:  # objects (all None, huge ints) value by value, as _scatter
+                out[start:start + len(a)] = a if values is None else np.array(a.tolist(), dtype=dtype)
+            return out
+        except (OverflowError, TypeError, ValueError):
+            pass
     out = np.full(n, _NAN, dtype=object)
     strings = kinds <= {"s", "n"}
-    for start, a, absent in parts:
+    for start, a, absent, _ in parts:
         vals = a.astype(object)
         if strings:  # pandas' string columns hold NaN for None and for absent values alike
             vals[np.equal(vals, None)] = _NAN
@@ -594,19 +591,17 @@ def _column_from_chunks(name: str, chunks: list[FrameColumns], sizes: list[int],
     return out
 
 
-def _joined(parts: list[tuple[int, np.ndarray, np.ndarray | None]], n: int, dtype, fill) -> np.ndarray:
-    """The parts' arrays as one of ``dtype``, ``fill`` where no part has rows (an object part is
-    converted value by value: all None as NaN, an int beyond int64 raises OverflowError)."""
-    if len(parts) == 1 and len(parts[0][1]) == n:
-        a = parts[0][1]
-        return a.copy() if a.dtype == dtype else np.array(a.tolist() if a.dtype == object else a, dtype=dtype)
-    if sum(len(a) for _, a, _ in parts) == n:
-        return np.concatenate([a.astype(dtype, copy=False) if a.dtype != object else np.array(a.tolist(), dtype=dtype)
-                               for _, a, _ in parts])
-    out = np.full(n, fill, dtype=dtype)
-    for start, a, _ in parts:
-        out[start:start + len(a)] = a if a.dtype != object else np.array(a.tolist(), dtype=dtype)
-    return out
+def _plain_dtype(kinds: set[str], missing: bool) -> np.dtype | None:
+    """The numpy dtype of a column of values of ``kinds`` (_KIND_OF_TYPE's letters, no dicts), as pandas
+    infers it; None: objects. Rows without the key (``missing``) are NaN: an int column turns float, a
+    bool column objects."""
+    if kinds <= {"i"} and not missing:
+        return np.dtype(np.int64)
+    if kinds <= {"i", "f", "n"} and "b" not in kinds:
+        return np.dtype(np.float64)
+    if kinds <= {"b"} and not missing:
+        return np.dtype(np.bool_)
+    return None
 
 
 def _scatter(n: int, pieces, dtype, fill) -> np.ndarray:

@@ -327,12 +327,22 @@ def test_a_fresh_chunk_decodes_equal_dicts_of_strings_as_one_object():
     assert len({id(d) for d in got}) == 1  # 200 rows, one dict: a seal of a busy node holds ~40 000 of them
 
 
+def _fresh_and_anew(encoded: list, columns: dict, n: int, repeats: dict):
+    """A fresh block and twin with ``repeats``, the same encoded anew, and what the first encoded
+    itself (``encoded``: what the test's spies on the encoder appended)."""
+    from gpudiag.agent.store import encode_fresh
+
+    encoded.clear()
+    block, twin = encode_fresh(columns, n, repeats)
+    anew = list(encoded)
+    return (block, twin, *encode_fresh(columns, n), anew)
+
+
 def test_a_string_column_repeated_from_the_last_fresh_block_is_written_byte_for_byte_as_anew(monkeypatch):
     # A node's names and uuids are the same every second: a fresh block takes a string column equal to
     # the kind's last one from it instead of writing its JSON again. The blocks and their twins must be
     # what encoding each anew gives, whatever the columns turn into from one second to the next.
     from gpudiag.agent import store as store_module
-    from gpudiag.agent.store import encode_fresh
 
     class Name(str):
         pass
@@ -360,10 +370,7 @@ def test_a_string_column_repeated_from_the_last_fresh_block_is_written_byte_for_
     for i, values in enumerate(seconds):
         rows = [{"pid": j, "process": v, "uuid": "GPU-1"} for j, v in enumerate(values)]
         n, columns = _columns_of([Frame("process", T0 + i, rows)])
-        encoded.clear()
-        block, twin = encode_fresh(columns, n, repeats)
-        anew = list(encoded)
-        want_block, want_twin = encode_fresh(columns, n)
+        block, twin, want_block, want_twin, anew = _fresh_and_anew(encoded, columns, n, repeats)
         assert block == want_block, i
         assert decode_block(block)[1]["process"].tolist() == decode_block(want_block)[1]["process"].tolist()
         assert twin["process"].tolist() == want_twin["process"].tolist()
@@ -389,10 +396,10 @@ def test_a_column_whose_comparison_or_repr_fails_is_encoded_anew():
 
     entry = ("strings", ["a", "b"], {"codec": "jsonlist"}, b"frame")
     values = ["a", Hostile()]
-    assert _repeated(entry, values, np.array(values, dtype=object), True) is None
+    assert _repeated(entry, values, np.array(values, dtype=object)) is None
     same = ["a", "b"]
-    assert _repeated(entry, same, np.array(same, dtype=object), True) == ({"codec": "jsonlist"}, b"frame", None)
-    assert _repeated(None, ["a", "b"], np.array(["a", "b"], dtype=object), True) is None
+    assert _repeated(entry, same, np.array(same, dtype=object)) == ({"codec": "jsonlist"}, b"frame", None)
+    assert _repeated(None, ["a", "b"], np.array(["a", "b"], dtype=object)) is None
     # A column of such values in a block: written (as text) every second, never compared by its repr.
     repeats: dict = {}
     for k in range(2):
@@ -1611,10 +1618,7 @@ def test_number_and_counter_columns_repeated_from_the_last_fresh_block_are_writt
         rows = [{"gpu": g, M.gpu_power_limit_watts: w, M.gpu_ecc_errors_total: e}
                 for g, (w, e) in enumerate(zip(limits, ecc))]
         n, columns = _columns_of([Frame("gpu", T0 + i, rows)])
-        encoded.clear()
-        block, twin = encode_fresh(columns, n, repeats)
-        anew = list(encoded)
-        want_block, want_twin = encode_fresh(columns, n)
+        block, twin, want_block, want_twin, anew = _fresh_and_anew(encoded, columns, n, repeats)
         assert block == want_block, i
         assert twin.keys() == want_twin.keys()
         got_limits = twin[M.gpu_power_limit_watts].read(block)
@@ -1633,6 +1637,9 @@ def test_number_and_counter_columns_repeated_from_the_last_fresh_block_are_writt
         same_ecc = i > 0 and repr(ecc) == repr(before[1]) and (ecc[0] is ecc[1]) == (before[1][0] is before[1][1]) \
             and i != 9
         assert (ecc in anew) == (not same_ecc), (i, "ecc")
+    # A sealed block is never written from a fresh block's memory.
+    with pytest.raises(ValueError, match="fresh blocks"):
+        encode_block(columns, n, sealed=True, repeats=repeats)
     # A column of more rows than REPEAT_BY_TEXT_MAX_ROWS is not compared by its repr: written anew.
     rows = [{"gpu": g, M.gpu_ecc_errors_total: {"corrected": 0}} for g in range(REPEAT_BY_TEXT_MAX_ROWS + 1)]
     for k in range(2):
