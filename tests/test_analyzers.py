@@ -123,6 +123,31 @@ def test_a_leak_among_many_still_processes_is_found_and_only_the_still_ones_are_
     assert f.pid == ENGINE_PID and f.details["layer"] == "allocated"
 
 
+def test_a_label_columns_values_are_the_same_read_from_its_rows_or_from_the_tables_codes(monkeypatch):
+    # One entity's label is read from its own values; a long column from the table's codes. Both
+    # leave out None and NaN and give the values as strings.
+    from gpudiag.agent.daemon import SlidingWindow
+    from gpudiag.analyzers import common
+    from gpudiag.frames import Frame
+
+    win = SlidingWindow(900.0)
+    names = ["python3", None, float("nan"), "vllm", 7]
+    for t in range(1, 301):
+        win.add([Frame("process", float(t), [{"node": "n", "gpu": 0, "pid": 100 + j, "process": names[(t + j) % 5],
+                                             M.process_gpu_memory_bytes: GiB} for j in range(20)])])
+    proc = win.window("n").rows("process")
+    per_pid = {key["pid"]: p for key, p in per_entity(proc, ["node", "gpu", "pid"])}
+    assert len(proc) > common.SHORT_LABEL_ROWS >= len(per_pid[100])
+    want = {"python3", "vllm", "7"}
+    assert common.label_values(proc["process"]) == want
+    assert all(common.label_values(p["process"]) == want for p in per_pid.values())
+    monkeypatch.setattr(common, "SHORT_LABEL_ROWS", 0)  # every column from the codes
+    assert common.label_values(proc["process"]) == want
+    assert all(common.label_values(p["process"]) == want for p in per_pid.values())
+    monkeypatch.setattr(common, "SHORT_LABEL_ROWS", 10**9)  # every column from its values
+    assert common.label_values(proc["process"]) == want
+
+
 def kv_window(kv, leak=lambda t: 0.0, n=900, process=ENGINE, engine_pid=None):
     """The engine's process: allocated = weights + its KV (+ a leak); the running count wanders, flat.
 
