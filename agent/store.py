@@ -804,9 +804,30 @@ def _encode_column(a, *, sealed: bool, parts_of: dict | None = None) -> tuple[di
 FRONT_CODE_MIN_VALUES = 64
 
 
+# Characters of a dictionary's strings (count times the longest) up to which their shared
+# prefixes are found by comparing them as one array: 16 MiB of it. Longer, one pair at a time.
+FRONT_CODE_ARRAY_MAX_CHARS = 1 << 22
+
+
 def _front_code(values: list[str]) -> list:
     """[shared prefix length with the previous value, rest of the value, ...] for every value, flat."""
-    out: list = []
+    n = len(values)
+    if n > 1:
+        # Each string a row of code points, padded with zeros (NUL) to the longest: a prefix ends at
+        # the first column where a row differs from the one before, or where the shorter of the two
+        # ends. Before that end every column holds the strings' own characters, NUL included.
+        lens = np.fromiter(map(len, values), dtype=np.int64, count=n)
+        width = int(lens.max())
+        if 0 < width and n * width <= FRONT_CODE_ARRAY_MAX_CHARS:
+            chars = np.array(values, dtype=f"<U{width}").view(np.uint32).reshape(n, width)
+            differ = chars[1:] != chars[:-1]
+            first = np.where(differ.any(axis=1), differ.argmax(axis=1), width)
+            shared = [0] + np.minimum(first, np.minimum(lens[1:], lens[:-1])).tolist()
+            out: list = [0] * (2 * n)
+            out[0::2] = shared
+            out[1::2] = [v[k:] for v, k in zip(values, shared)]
+            return out
+    out = []
     prev = ""
     for v in values:
         n = len(os.path.commonprefix((prev, v)))
@@ -1045,8 +1066,20 @@ def _factorize(a: np.ndarray) -> tuple[np.ndarray, list] | None:
     """(codes, uniques in order of appearance), -1 for None/NaN; None when a value is unhashable.
 
     pandas' hash table when a reader already loaded it; the agent itself never imports pandas
-    (42 MB of resident memory) for the few thousand labels of a chunk.
+    (42 MB of resident memory) for the few thousand labels of a chunk. Integer and bool
+    columns (a seal's gpu and pid labels) are factorized by numpy, and a column of one value
+    (a node's name in every row) is told by one comparison, not one hash a row.
     """
+    if a.dtype.kind in "iub" and len(a):
+        return _factorize_numbers(a)
+    if a.dtype == object and len(a) and isinstance(a[0], str):
+        try:
+            same = a == a[0]
+        except Exception:  # noqa: BLE001 - a value whose comparison fails: hashed below
+            same = None
+        if isinstance(same, np.ndarray) and same.dtype == bool and same.all():
+            # Every value equals the first string, so it is the one key a hash table would keep.
+            return np.zeros(len(a), dtype=np.int64), [a[0]]
     if "pandas" in sys.modules:
         import pandas as pd
 
@@ -1155,6 +1188,30 @@ def _decode_column(meta: dict, cur: _Cursor, n: int, labels: dict | None = None,
     return _label_lookup(values, _NAN if as_labels else None)[codes]
 
 
+def _factorize_numbers(a: np.ndarray) -> tuple[np.ndarray, list]:
+    """:func:`_factorize` of a non-empty integer or bool column: the same codes and uniques (Python
+    values, in order of appearance)."""
+    v = a.astype(np.uint64 if a.dtype.kind == "u" else np.int64, copy=False)  # differences of int8 overflow
+    lo, hi = int(v.min()), int(v.max())
+    n = len(v)
+    if hi - lo <= 4 * n + 4096:  # a dense lookup over the range: each value's first row
+        offset = v - v.dtype.type(lo)
+        first = np.full(hi - lo + 1, n, dtype=np.int64)
+        np.minimum.at(first, offset, np.arange(n, dtype=np.int64))
+        present = np.flatnonzero(first < n)
+        order = present[np.argsort(first[present], kind="stable")]
+        lut = np.empty(hi - lo + 1, dtype=np.int64)
+        lut[order] = np.arange(len(order), dtype=np.int64)
+        codes, uniq = lut[offset], order.astype(v.dtype) + v.dtype.type(lo)
+    else:
+        values, firsts, inverse = np.unique(v, return_index=True, return_inverse=True)
+        order = np.argsort(firsts, kind="stable")
+        rank = np.empty(len(values), dtype=np.int64)
+        rank[order] = np.arange(len(values), dtype=np.int64)
+        codes, uniq = rank[inverse.reshape(-1)], values[order]
+    return codes, (uniq.astype(bool) if a.dtype.kind == "b" else uniq.astype(a.dtype)).tolist()
+
+
 def _entity_order(columns: dict, n: int) -> np.ndarray | None:
     """Permutation grouping rows by entity (the non-catalog columns), or None when it would not help."""
     labels = [c for c in columns if c != "t" and c not in CATALOG and isinstance(columns[c], np.ndarray)]
@@ -1167,6 +1224,8 @@ def _entity_order(columns: dict, n: int) -> np.ndarray | None:
         if got is None:  # unhashable values: not an entity label
             continue
         codes, uniques = got
+        if len(uniques) == n:  # a label of its own in every row (a request's id): one row per entity
+            return None
         radix = len(uniques) + 1  # a missing label is an entity value of its own
         key = key * radix + codes + 1
         groups *= radix

@@ -580,6 +580,95 @@ def test_a_long_dictionary_of_strings_is_front_coded_and_reads_back_exactly(valu
     assert [uniques[c] if c >= 0 else None for c in codes.tolist()] == ids
 
 
+def _shared_prefixes_pair_by_pair(values: list[str]) -> list:
+    """Front coding by its definition: each value's common prefix with the one before, one pair at a time."""
+    out: list = []
+    prev = ""
+    for v in values:
+        n = len(os.path.commonprefix((prev, v)))
+        out += (n, v[n:])
+        prev = v
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.text(alphabet=st.sampled_from(["a", "b", "-", "\x00", "é", "\U0001f600"]), max_size=9), max_size=40),
+       st.booleans())
+@example(["a\x00", "a\x00\x00"], False)  # NUL is also what pads the shorter: the prefix stops where it ends
+@example(["", "", "a"], False)
+def test_front_coding_finds_each_shared_prefix_as_comparing_pairs_does(values, in_order):
+    from gpudiag.agent import store
+
+    if in_order:
+        values = sorted(values)
+    coded = store._front_code(values)
+    assert coded == _shared_prefixes_pair_by_pair(values)
+    assert store._front_decode(coded) == values
+
+
+def test_front_coding_past_the_array_limit_compares_pairs(monkeypatch):
+    from gpudiag.agent import store
+
+    values = sorted(_request_ids("req", 300, seed=3))
+    array_coded = store._front_code(values)
+    monkeypatch.setattr(store, "FRONT_CODE_ARRAY_MAX_CHARS", 10)
+    assert store._front_code(values) == array_coded == _shared_prefixes_pair_by_pair(values)
+
+
+def _factorized_by_a_hash_table(a: np.ndarray):
+    """Codes in order of appearance (-1 for None and NaN) and the values they stand for; None when one is unhashable."""
+    lookup: dict = {}
+    codes = []
+    for v in a.tolist():
+        if v is None or v != v:
+            codes.append(-1)
+            continue
+        try:
+            codes.append(lookup.setdefault(v, len(lookup)))
+        except TypeError:
+            return None
+    return codes, list(lookup)
+
+
+_NUMBER_COLUMNS = st.one_of(
+    st.lists(st.integers(-3, 3), min_size=1, max_size=200).map(lambda v: np.array(v, dtype=np.int64)),
+    st.lists(st.integers(-2**63, 2**63 - 1), min_size=1, max_size=50).map(lambda v: np.array(v, dtype=np.int64)),
+    st.lists(st.integers(2**64 - 4, 2**64 - 1) | st.integers(0, 2**64 - 1), min_size=1, max_size=50)
+    .map(lambda v: np.array(v, dtype=np.uint64)),
+    st.lists(st.integers(-128, 127), min_size=1, max_size=50).map(lambda v: np.array(v, dtype=np.int8)),
+    st.lists(st.booleans(), min_size=1, max_size=50).map(lambda v: np.array(v, dtype=bool)),
+)
+_ODD_VALUES = st.sampled_from([None, float("nan"), "other", 1, b"node-a", ["node-a"], ("node-a",), {"a": 1}])
+
+
+def _one_string_column(args) -> np.ndarray:
+    n, odd = args
+    a = np.empty(n, dtype=object)
+    a[:] = ["node-a"] * n
+    for at, v in odd:
+        a[at % n] = v
+    return a
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(_NUMBER_COLUMNS,
+                 st.tuples(st.integers(1, 60), st.lists(st.tuples(st.integers(0, 59), _ODD_VALUES), max_size=2))
+                 .map(_one_string_column)))
+def test_the_store_factorizes_numbers_and_one_valued_strings_as_a_hash_table_does(a):
+    # Integer and bool labels are factorized by numpy and a column of one string by one comparison;
+    # the codes, the values and their Python types are a hash table's, so sealed blocks are unchanged.
+    from gpudiag.agent import store
+
+    want = _factorized_by_a_hash_table(a)
+    got = store._factorize(a)
+    if want is None:
+        assert got is None
+        return
+    codes, uniques = got
+    assert codes.dtype == np.int64 and codes.tolist() == want[0]
+    assert uniques == want[1] and [type(u) for u in uniques] == [type(u) for u in want[1]]
+
+
 def _request_ids(style: str, n: int, seed: int) -> list[str]:
     """Request ids as engines make them: the bench's req-GPU-COUNTER-HEX, vLLM's cmpl-<uuid4 hex>,
     chatcmpl-<uuid4 with dashes>."""
