@@ -297,7 +297,7 @@ def _last_named(procs: list[_Process], names: set[str]) -> tuple[float, int]:
     table = procs[0].rows.table if procs and isinstance(procs[0].rows, Rows) else None
     if table is not None and "process" in table.columns:
         # Every name the table's process column holds: none of the engine's, no process had it.
-        if not any(str(u) in names for u in table.codes("process")[1]):
+        if not any(str(u) in names for u in table.distinct("process")):
             return best
     for q in procs:
         if "process" not in q.rows:

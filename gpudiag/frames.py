@@ -819,6 +819,7 @@ class Table:
         # was joined from, the table it was cut from (None: factorize).
         self._code_source = None
         self._group_source = None  # entity groups from a TableBuffer's index (None: sort)
+        self._distinct_source = None  # a column's distinct values without its codes (None: from the codes)
         # keys -> (column name -> that column in the order of those groups, or None), for columns not made yet
         self._direct_source = None
         self.pool: BufferPool | None = None  # memory for entity-order copies handed on between analyses
@@ -979,6 +980,21 @@ class Table:
             self._codes[name] = got
         return got
 
+    def distinct(self, name: str) -> list:
+        """The distinct values of a column (NaN/None aside), each once, in no set order.
+
+        The codes' uniques, but a table kept in a TableBuffer answers from the codes of its
+        chunks without making the codes of its rows (115,000 of a node's process rows).
+        """
+        if self._distinct_source is not None:
+            got = self._distinct_source(name)
+            if got is not None:
+                return got
+        codes, uniques = self.codes(name)
+        # The uniques of codes merged from chunks may hold a value only rows cut from the oldest held.
+        held = np.flatnonzero(np.bincount(codes[codes >= 0], minlength=len(uniques)))
+        return [uniques[k] for k in held.tolist()]
+
     def code_of(self, name: str, value) -> int | None:
         """The code ``value`` has in column ``name`` (None when no row holds it; NaN matches nothing, as ``==``)."""
         if _is_na(value):
@@ -1107,7 +1123,7 @@ class Table:
         self._entities.clear()
         self._lookups.clear()
         self._lookup.clear()
-        self._code_source = self._group_source = self._direct_source = None
+        self._code_source = self._group_source = self._direct_source = self._distinct_source = None
         self._frame = None
 
     def frame(self) -> pd.DataFrame:
@@ -1558,7 +1574,8 @@ class TableBuffer:
         out = Table(b - a, columns)
         cols = self._cols
 
-        def from_chunks(name):
+        def chunk_codes(name):
+            """Each chunk's (codes, uniques) of the kept rows of an object column (None: not one)."""
             col = columns[name]
             if not (isinstance(col, np.ndarray) and col.dtype == object) or cols.get(name) is None:
                 return None
@@ -1570,9 +1587,27 @@ class TableBuffer:
                     got = c.codes[name] = _factorize(full[c.start:c.stop])
                 lo = max(a - c.start, 0)
                 parts.append(got if lo == 0 else (got[0][lo:], got[1]))
-            return _merge_codes(parts)
+            return parts
+
+        def from_chunks(name):
+            parts = chunk_codes(name)
+            return None if parts is None else _merge_codes(parts)
+
+        def distinct(name):
+            parts = chunk_codes(name)
+            if parts is None:
+                return None
+            seen: dict = {}
+            for i, (codes, uniques) in enumerate(parts):
+                if i == 0:
+                    # Only the oldest chunk loses rows (cut at the window's start, or when the buffer
+                    # moved) while its uniques stay as factorized: the values its rows still hold.
+                    uniques = [uniques[k] for k in np.unique(codes[codes >= 0]).tolist()]
+                seen.update(dict.fromkeys(uniques))
+            return list(seen)
 
         out._code_source = from_chunks
+        out._distinct_source = distinct
         version = self._version
 
         def from_index(keys):

@@ -266,6 +266,34 @@ def test_a_buffer_that_slides_keeps_the_types_a_fresh_join_of_its_chunks_has():
     assert [(k, sub["n"].tolist()) for k, sub in groups] == [((0,), [3]), ((1,), [4])]
 
 
+def test_a_buffers_distinct_labels_are_the_ones_its_kept_rows_hold_as_it_slides_and_moves():
+    # A window's distinct labels come from its chunks' codes, not the codes of all its rows; the
+    # oldest chunk's codes were made before it lost rows (to the window's start, or to a move of
+    # the buffer's arrays), so a name only its lost rows held must not be reported.
+    rng = np.random.default_rng(11)
+    buf = TableBuffer()
+    t = 0
+    cap = None
+    for c in range(60):
+        n = int(rng.integers(1, 400)) if c % 7 else 3000  # now and then a long chunk: the buffer moves
+        names = [None if r % 13 == 5 else float("nan") if r % 17 == 3 else f"p{(t + r) // 500}-{r % 3}"
+                 for r in range(n)]
+        buf.append(Table(n, {"t": t + np.arange(n, dtype=np.float64), "process": np.array(names, dtype=object)}))
+        t += n
+        buf.drop_until(t - int(rng.integers(200, 2500)) + 0.5)  # cuts into a chunk most times
+        cap = cap or buf.capacity
+        table = buf.table()
+        if c % 3 == 0:
+            table.codes("process")  # the chunks' codes made now, before their rows are cut
+        want = {v for v in table.columns["process"].tolist() if isinstance(v, str)}
+        got = table.distinct("process")
+        assert len(got) == len(set(got)) and set(got) == want, c
+        assert set(Table(table.n, dict(table.columns)).distinct("process")) == want
+        half = table.slice(table.n // 2, table.n)  # its codes cut from the table's, uniques and all
+        assert set(half.distinct("process")) == {v for v in half.columns["process"].tolist() if isinstance(v, str)}
+    assert buf.capacity > cap, "the buffer never moved its rows"
+
+
 def test_a_buffer_that_moves_its_rows_never_holds_its_old_and_new_arrays_whole_at_once():
     """Each old column is let go as its new one takes its place: moving the rows to new arrays
     holds one old column beside the new ones at a time, not every old one (the agent's process
