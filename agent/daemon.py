@@ -381,6 +381,38 @@ class MemoryKeeper:
             self._libc.malloc_trim(0)
 
 
+class ResidentMemory:
+    """The process' resident set size, for the self-metrics every second.
+
+    Read from /proc/self/statm through one descriptor kept open: psutil opens and parses the
+    file on each call, which after the agent's idle second costs about 0.2 ms, four times
+    what reading it again costs. psutil where the file cannot be read.
+    """
+
+    def __init__(self):
+        self._proc = psutil.Process()
+        self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+        try:
+            self._fd: int | None = os.open("/proc/self/statm", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            self._fd = None
+
+    def bytes(self) -> int:
+        """Resident bytes now."""
+        fd = self._fd
+        if fd is not None:
+            try:
+                return int(os.pread(fd, 128, 0).split()[1]) * self._page  # size, resident, ... in pages
+            except (OSError, ValueError, IndexError):
+                pass
+        return self._proc.memory_info().rss
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+
 # --- the in-memory window -------------------------------------------------------------------
 
 
@@ -620,7 +652,7 @@ class Agent:
         self._frames_in = Pulse()  # a probe handed frames over: the tracker follows it
         self._joined = Pulse()  # the tracker's pass is done: the flusher follows it
         self._threads: list[threading.Thread] = []
-        self._proc = psutil.Process()
+        self._rss = ResidentMemory()
         self._cpu_mark = (time.monotonic(), self._cpu_seconds())
         self._cpu_ratio: float | None = None
         self.analysis_seconds: float | None = None
@@ -794,7 +826,7 @@ class Agent:
             rows += self.otlp.metric_rows()
         if self._cpu_ratio is not None:
             rows.append({M.agent_cpu_utilization_ratio: self._cpu_ratio})
-        rows.append({M.agent_resident_memory_bytes: self._proc.memory_info().rss})
+        rows.append({M.agent_resident_memory_bytes: self._rss.bytes()})
         if self.analysis_seconds is not None:
             rows.append({M.agent_analysis_seconds: self.analysis_seconds})
         rows += [{"kind": k, M.agent_findings_opened_total: n} for k, n in sorted(self.opened_by_kind.items())]
@@ -955,5 +987,6 @@ class Agent:
         if self.server is not None:
             self.server.close()
         self.store.close()
+        self._rss.close()
         log.info("agent stopped; store %s closed", self.store.path)
 

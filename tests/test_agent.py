@@ -22,6 +22,7 @@ import threading
 import time
 import urllib.request
 
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -772,6 +773,22 @@ def test_the_agent_reports_the_cpu_it_burns_and_its_resident_memory(tmp_path):
     rss = next(r[M.agent_resident_memory_bytes] for r in rows if M.agent_resident_memory_bytes in r)
     assert 0.05 < ratio < 0.95  # about half (0.6 s of CPU over ~1.2 s), less on a busy machine
     assert rss > 10 * 1024**2
+    assert abs(rss - psutil.Process().memory_info().rss) < 0.2 * rss  # what psutil reads, a moment apart
+
+
+def test_the_resident_memory_is_psutils_where_statm_cannot_be_read(monkeypatch):
+    from gpudiag.agent.daemon import ResidentMemory
+
+    rss = ResidentMemory()
+    want = psutil.Process().memory_info().rss
+    assert abs(rss.bytes() - want) < 0.2 * want
+    monkeypatch.setattr(os, "pread", lambda *a: b"garbage")  # a file that reads wrong
+    assert abs(rss.bytes() - want) < 0.2 * want
+    rss.close()  # and one that is gone
+    rss.close()
+    assert abs(rss.bytes() - want) < 0.2 * want
+    monkeypatch.setattr(os, "open", lambda *a: (_ for _ in ()).throw(PermissionError("no /proc")))
+    assert abs(ResidentMemory().bytes() - want) < 0.2 * want
 
 
 def test_a_simulated_engine_that_reaches_its_hold_before_the_first_analysis_is_let_run_on(tmp_path):
