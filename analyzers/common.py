@@ -524,7 +524,10 @@ def label_values(col) -> set[str]:
     """The distinct values of a label column, as strings."""
     if len(col) <= SHORT_LABEL_ROWS:
         values = col.values if isinstance(col, Column) else np.asarray(col, dtype=object)
-        return {str(v) for v in dict.fromkeys(values.tolist()) if not (v is None or v != v)}
+        try:
+            return {str(v) for v in dict.fromkeys(values.tolist()) if not (v is None or v != v)}
+        except (TypeError, ValueError):  # an unhashable or oddly comparing label: as the codes tell it
+            pass
     got = col.codes() if hasattr(col, "codes") and callable(col.codes) else None
     if got is not None:
         codes, uniques = got

@@ -19,7 +19,7 @@ from gpudiag.analyzers.common import per_entity
 from gpudiag.analyzers.registry import ANALYZERS, run_all
 from gpudiag.catalog import M
 from gpudiag.findings import Severity, alert_name
-from gpudiag.frames import Window
+from gpudiag.frames import Rows, Table, Window
 
 GiB, MiB = 1024**3, 1024**2
 NODE, GPU, UUID = "node-a", 0, "GPU-0000"
@@ -146,6 +146,12 @@ def test_a_label_columns_values_are_the_same_read_from_its_rows_or_from_the_tabl
     assert all(common.label_values(p["process"]) == want for p in per_pid.values())
     monkeypatch.setattr(common, "SHORT_LABEL_ROWS", 10**9)  # every column from its values
     assert common.label_values(proc["process"]) == want
+    odd = np.empty(4, dtype=object)
+    odd[:] = [["a"], "b", None, ["a"]]  # an unhashable label: read as the codes read it
+    rows = Rows(Table(4, {"t": np.arange(4.0), "process": odd}))
+    assert common.label_values(rows["process"]) == {"['a']", "b"}
+    monkeypatch.setattr(common, "SHORT_LABEL_ROWS", 0)
+    assert common.label_values(rows["process"]) == {"['a']", "b"}
 
 
 def kv_window(kv, leak=lambda t: 0.0, n=900, process=ENGINE, engine_pid=None):
