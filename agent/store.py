@@ -827,7 +827,12 @@ def _front_code(values: list[str]) -> list:
             out[0::2] = shared
             out[1::2] = [v[k:] for v, k in zip(values, shared)]
             return out
-    out = []
+    return _front_code_by_pairs(values)
+
+
+def _front_code_by_pairs(values: list[str]) -> list:
+    """:func:`_front_code` by its definition: each value's common prefix with the one before, a pair at a time."""
+    out: list = []
     prev = ""
     for v in values:
         n = len(os.path.commonprefix((prev, v)))
@@ -1190,26 +1195,15 @@ def _decode_column(meta: dict, cur: _Cursor, n: int, labels: dict | None = None,
 
 def _factorize_numbers(a: np.ndarray) -> tuple[np.ndarray, list]:
     """:func:`_factorize` of a non-empty integer or bool column: the same codes and uniques (Python
-    values, in order of appearance)."""
-    v = a.astype(np.uint64 if a.dtype.kind == "u" else np.int64, copy=False)  # differences of int8 overflow
-    lo, hi = int(v.min()), int(v.max())
-    n = len(v)
-    if hi - lo <= 4 * n + 4096:  # a dense lookup over the range: each value's first row
-        offset = v - v.dtype.type(lo)
-        first = np.full(hi - lo + 1, n, dtype=np.int64)
-        np.minimum.at(first, offset, np.arange(n, dtype=np.int64))
-        present = np.flatnonzero(first < n)
-        order = present[np.argsort(first[present], kind="stable")]
-        lut = np.empty(hi - lo + 1, dtype=np.int64)
-        lut[order] = np.arange(len(order), dtype=np.int64)
-        codes, uniq = lut[offset], order.astype(v.dtype) + v.dtype.type(lo)
-    else:
-        values, firsts, inverse = np.unique(v, return_index=True, return_inverse=True)
-        order = np.argsort(firsts, kind="stable")
-        rank = np.empty(len(values), dtype=np.int64)
-        rank[order] = np.arange(len(values), dtype=np.int64)
-        codes, uniq = rank[inverse.reshape(-1)], values[order]
-    return codes, (uniq.astype(bool) if a.dtype.kind == "b" else uniq.astype(a.dtype)).tolist()
+    values, in order of appearance), from the window's sorted factorization renumbered by first row."""
+    codes, uniques = _factorize_table_column(a)
+    n, k = len(codes), len(uniques)
+    first = np.full(k, n, dtype=np.int64)
+    np.minimum.at(first, codes, np.arange(n, dtype=np.int64))
+    order = np.argsort(first, kind="stable")
+    rank = np.empty(k, dtype=np.int64)
+    rank[order] = np.arange(k, dtype=np.int64)
+    return rank[codes], [uniques[i] for i in order.tolist()]
 
 
 def _entity_order(columns: dict, n: int) -> np.ndarray | None:

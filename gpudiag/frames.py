@@ -647,17 +647,18 @@ def _factorize(values: np.ndarray) -> tuple[np.ndarray, list]:
     """(codes, uniques): codes index the sorted uniques, -1 for NaN/None; ints by a dense lookup when they allow."""
     n = len(values)
     if values.dtype.kind in "iub":
-        v = values.astype(np.int64, copy=False)
+        # uint64 stays unsigned: as int64, values from 2**63 up would wrap to negatives.
+        v = values.astype(np.uint64 if values.dtype.kind == "u" else np.int64, copy=False)
         if n == 0:
             return np.zeros(0, dtype=np.int64), []
         lo, hi = int(v.min()), int(v.max())
         if hi - lo <= 4 * n + 4096:
-            offset = v - lo if lo else v
+            offset = v - v.dtype.type(lo) if lo else v
             seen = np.zeros(hi - lo + 1, dtype=bool)
             seen[offset] = True
-            lut = np.cumsum(seen)
+            lut = np.cumsum(seen, dtype=np.int64)
             lut -= 1
-            uniq = (np.flatnonzero(seen) + lo)
+            uniq = np.flatnonzero(seen).astype(v.dtype) + v.dtype.type(lo)
             uniques = uniq.astype(bool).tolist() if values.dtype.kind == "b" else uniq.tolist()
             return lut[offset], uniques
         uniq, codes = np.unique(v, return_inverse=True)
