@@ -821,6 +821,7 @@ class Table:
         self._code_source = None
         self._group_source = None  # entity groups from a TableBuffer's index (None: sort)
         self._distinct_source = None  # a column's distinct values without its codes (None: from the codes)
+        self._distinct: dict[str, tuple] = {}
         # keys -> (column name -> that column in the order of those groups, or None), for columns not made yet
         self._direct_source = None
         self.pool: BufferPool | None = None  # memory for entity-order copies handed on between analyses
@@ -985,16 +986,20 @@ class Table:
         """The distinct values of a column (NaN/None aside), each once, in no set order.
 
         The codes' uniques, but a table kept in a TableBuffer answers from the codes of its
-        chunks without making the codes of its rows (115,000 of a node's process rows).
+        chunks without making the codes of its rows (115,000 of a node's process rows). Kept
+        once made: a window's analyzers ask it once per engine.
         """
-        if self._distinct_source is not None:
-            got = self._distinct_source(name)
-            if got is not None:
-                return got
-        codes, uniques = self.codes(name)
-        # The uniques of codes merged from chunks may hold a value only rows cut from the oldest held.
-        held = np.flatnonzero(np.bincount(codes[codes >= 0], minlength=len(uniques)))
-        return [uniques[k] for k in held.tolist()]
+        got = self._distinct.get(name)
+        if got is None:
+            if self._distinct_source is not None:
+                got = self._distinct_source(name)
+            if got is None:
+                codes, uniques = self.codes(name)
+                # The uniques of codes merged from chunks may hold a value only rows cut from the oldest held.
+                held = np.flatnonzero(np.bincount(codes[codes >= 0], minlength=len(uniques)))
+                got = [uniques[k] for k in held.tolist()]
+            got = self._distinct[name] = tuple(got)
+        return list(got)
 
     def code_of(self, name: str, value) -> int | None:
         """The code ``value`` has in column ``name`` (None when no row holds it; NaN matches nothing, as ``==``)."""
@@ -1124,6 +1129,7 @@ class Table:
         self._entities.clear()
         self._lookups.clear()
         self._lookup.clear()
+        self._distinct.clear()
         self._code_source = self._group_source = self._direct_source = self._distinct_source = None
         self._frame = None
 

@@ -791,6 +791,48 @@ def test_the_resident_memory_is_psutils_where_statm_cannot_be_read(monkeypatch):
     assert abs(ResidentMemory().bytes() - want) < 0.2 * want
 
 
+def test_each_analysis_leaves_its_cycles_collected_young_every_time_and_old_within_a_full_collection():
+    import gc
+    import weakref
+
+    from gpudiag.agent.daemon import FULL_COLLECTION_EVERY, MemoryKeeper
+
+    class Node:
+        pass
+
+    def cycle():
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        return a
+
+    full = []
+
+    def count(phase, info):
+        if phase == "stop" and info["generation"] == 2:
+            full.append(1)
+
+    keeper = MemoryKeeper()
+    keeper.release()  # the first: what the process made to start is set aside
+    gc.callbacks.append(count)
+    try:
+        for _ in range(2 * FULL_COLLECTION_EVERY):
+            young = weakref.ref(cycle())  # an analysis' cycle, unreachable when it ends
+            keeper.release()
+            assert young() is None
+        # Two full collections in as many analyses: the rest collect the young generations only.
+        assert len(full) == 2
+        held = cycle()
+        gc.collect(1)  # it outlived the young generations (a collection of them ran while it was held)
+        old = weakref.ref(held)
+        del held
+        for _ in range(FULL_COLLECTION_EVERY):
+            keeper.release()
+        assert old() is None
+    finally:
+        gc.callbacks.remove(count)
+        gc.unfreeze()
+
+
 def test_a_simulated_engine_that_reaches_its_hold_before_the_first_analysis_is_let_run_on(tmp_path):
     # The engine is held SIM_LEAD_S past the next analysis' due time from its first step. At this
     # speed it is at that hold before the first frames reach the window, so the first frame the

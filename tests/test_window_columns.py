@@ -288,6 +288,8 @@ def test_a_buffers_distinct_labels_are_the_ones_its_kept_rows_hold_as_it_slides_
         want = {v for v in table.columns["process"].tolist() if isinstance(v, str)}
         got = table.distinct("process")
         assert len(got) == len(set(got)) and set(got) == want, c
+        got.append("changed by its reader")
+        assert set(table.distinct("process")) == want  # asked again: kept, and not the reader's list
         assert set(Table(table.n, dict(table.columns)).distinct("process")) == want
         half = table.slice(table.n // 2, table.n)  # its codes cut from the table's, uniques and all
         assert set(half.distinct("process")) == {v for v in half.columns["process"].tolist() if isinstance(v, str)}
