@@ -339,7 +339,7 @@ _MALLOC_SETTINGS = ((_M_MMAP_THRESHOLD, 128 * 1024), (_M_TRIM_THRESHOLD, 128 * 1
 # After an analysis the young generations are collected, its cycles still among them (it runs a
 # young collection about once, so its objects rarely get older than that). A full collection
 # also walks every object kept since the start, the window's object arrays value by value: about
-# 3 ms of CPU after the agent's idle seconds, a fortieth of its budget at one every 10 s. One in
+# 3 ms of CPU after the agent's idle seconds, a thirtieth of its 1 % budget at one every 10 s. One in
 # this many analyses (a minute at the default interval) also takes the cycles that did get old.
 FULL_COLLECTION_EVERY = 6
 
