@@ -361,7 +361,6 @@ class MemoryKeeper:
 
     def __init__(self):
         self._libc = _libc()
-        self._settled = False
         self._releases = 0
         if self._libc is not None:
             for param, value in _MALLOC_SETTINGS:
@@ -375,16 +374,15 @@ class MemoryKeeper:
         their views keep, for minutes. Collected here: the young generations
         every time, all of them every :data:`FULL_COLLECTION_EVERY` analyses.
         """
-        if not self._settled:
+        if not self._releases:
             # What the agent made to start (modules, catalog, probes, the first analysis' imports)
             # lives as long as it does: set aside, never scanned again, so each collection scans
             # only what came since (a full one over everything takes tens of ms here).
             gc.collect()
             gc.freeze()
-            self._settled = True
         else:
-            self._releases += 1
             gc.collect(2 if self._releases % FULL_COLLECTION_EVERY == 0 else 1)
+        self._releases += 1
         if self._libc is not None:
             self._libc.malloc_trim(0)
 

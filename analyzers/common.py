@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from gpudiag.catalog import M
-from gpudiag.frames import Column, DictColumn, LazyColumns, Rows, forward_fill, layout_groups
+from gpudiag.frames import Column, DictColumn, LazyColumns, Rows, forward_fill, held_uniques, layout_groups
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -530,8 +530,7 @@ def label_values(col) -> set[str]:
             pass
     got = col.codes() if hasattr(col, "codes") and callable(col.codes) else None
     if got is not None:
-        codes, uniques = got
-        return {str(uniques[c]) for c in np.unique(codes[codes >= 0]).tolist()}
+        return {str(u) for u in held_uniques(*got)}
     return set(col.dropna().astype(str))
 
 

@@ -994,10 +994,8 @@ class Table:
             if self._distinct_source is not None:
                 got = self._distinct_source(name)
             if got is None:
-                codes, uniques = self.codes(name)
                 # The uniques of codes merged from chunks may hold a value only rows cut from the oldest held.
-                held = np.flatnonzero(np.bincount(codes[codes >= 0], minlength=len(uniques)))
-                got = [uniques[k] for k in held.tolist()]
+                got = held_uniques(*self.codes(name))
             got = self._distinct[name] = tuple(got)
         return list(got)
 
@@ -1149,6 +1147,15 @@ class Table:
 def _cut_codes(got: tuple[np.ndarray, list], where) -> tuple[np.ndarray, list]:
     codes, uniques = got
     return codes[where], uniques
+
+
+def held_uniques(codes: np.ndarray, uniques: list) -> list:
+    """The values of ``uniques`` that ``codes`` hold (-1: none), in their order there.
+
+    Codes cut from longer ones (a chunk that lost rows, a subset) keep the uniques of all the
+    rows they were made from.
+    """
+    return [uniques[k] for k in np.flatnonzero(np.bincount(codes[codes >= 0], minlength=len(uniques))).tolist()]
 
 
 def _merge_codes(parts: list[tuple[np.ndarray, list]]) -> tuple[np.ndarray, list]:
@@ -1609,7 +1616,7 @@ class TableBuffer:
                 if i == 0:
                     # Only the oldest chunk loses rows (cut at the window's start, or when the buffer
                     # moved) while its uniques stay as factorized: the values its rows still hold.
-                    uniques = [uniques[k] for k in np.unique(codes[codes >= 0]).tolist()]
+                    uniques = held_uniques(codes, uniques)
                 seen.update(dict.fromkeys(uniques))
             return list(seen)
 

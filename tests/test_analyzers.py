@@ -152,6 +152,14 @@ def test_a_label_columns_values_are_the_same_read_from_its_rows_or_from_the_tabl
     assert common.label_values(rows["process"]) == {"['a']", "b"}
     monkeypatch.setattr(common, "SHORT_LABEL_ROWS", 0)
     assert common.label_values(rows["process"]) == {"['a']", "b"}
+    # One entity's codes are cut from the table's, with all of its uniques: only the values its rows hold count.
+    two = SlidingWindow(900.0)
+    for t in range(1, 11):
+        two.add([Frame("process", float(t), [{"node": "n", "gpu": 0, "pid": pid, "process": name}
+                                             for pid, name in ((1, "a"), (2, "b"))])])
+    per_pid = {key["pid"]: common.label_values(p["process"])
+               for key, p in per_entity(two.window("n").rows("process"), ["node", "gpu", "pid"])}
+    assert per_pid == {1: {"a"}, 2: {"b"}}
 
 
 def kv_window(kv, leak=lambda t: 0.0, n=900, process=ENGINE, engine_pid=None):
