@@ -99,6 +99,15 @@ _NOT_IN_WINDOW = (
     "request_id", "prompt_tokens", "output_tokens",
     M.process_cpu_utilization_ratio, M.process_resident_memory_bytes, M.process_context_switches_total,
     M.process_torch_active_bytes, M.process_torch_requested_bytes, M.process_torch_segments,
+    # A GPU's inventory (its labels, what it is and where) and the figures no analyzer weighs.
+    "uuid", "pci_bus_id", "driver_version", "cuda_driver_version", "mig_mode", "virtualization_mode",
+    M.gpu_info, M.gpu_memory_utilization_ratio, M.gpu_memory_reserved_bytes, M.gpu_memory_clock_hertz,
+    M.gpu_memory_clock_max_hertz, M.gpu_memory_temperature_celsius, M.gpu_pcie_tx_bytes_per_second,
+    M.gpu_pcie_rx_bytes_per_second, M.gpu_performance_state,
+    # An engine's model and state labels, the node's own load, the CUDA API counts.
+    "model", "fingerprint", M.generation_tokens_total, M.engine_serving_state, M.engine_model_info,
+    M.node_cpu_utilization_ratio, M.node_load1, M.node_memory_used_bytes, M.node_memory_total_bytes,
+    M.node_swap_used_bytes, M.cuda_api_calls_total, M.cuda_api_bytes_total,
 )
 
 
