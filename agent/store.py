@@ -3075,7 +3075,7 @@ class Store:
                 if table is not None:
                     tables[kind] = table
                     if "node" in table.columns:
-                        nodes.update(v for v in table.codes("node")[1] if isinstance(v, str))
+                        nodes.update(v for v in table.distinct("node") if isinstance(v, str))
         if node is None and len(nodes) == 1:
             node = nodes.pop()
         return Window.from_columns(tables, start_s=float(start_s), end_s=float(end_s), node=node,

@@ -159,7 +159,8 @@ def _labels(table, column: str) -> list:
     """The distinct non-missing values of a label column of a Table (none when it lacks the column)."""
     if column not in table.columns:
         return []
-    return [u for u in table.codes(column)[1] if u is not None and u == u]
+    # distinct, not the codes' uniques: those may hold a value only rows outside the window held.
+    return [u for u in table.distinct(column) if u is not None and u == u]
 
 
 @dataclass(frozen=True)

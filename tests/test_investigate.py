@@ -149,6 +149,23 @@ def test_bad_times_and_entities_give_one_line_and_exit_2(cli, storm_store, args,
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in p.stderr, p.stderr
 
 
+def test_the_hint_names_only_the_nodes_and_gpus_with_rows_in_the_window(cli, tmp_path):
+    # Node a (GPUs 0 and 1) wrote the first minute, node b (GPU 0) the second: a window over the
+    # second minute holds no row of node a or of GPU 1, though the store keeps them beside it.
+    path = str(tmp_path / "handover.db")
+    store = Store.open(path)
+    for s in range(120):
+        node, gpus = ("a", (0, 1)) if s < 60 else ("b", (0,))
+        store.append([Frame("gpu", T0 + s, [{"node": node, "gpu": g, M.gpu_utilization_ratio: 0.5} for g in gpus])])
+        store.flush()
+    store.close()
+    window = ["investigate", "--store", path, "--from", str(T0 + 90), "--to", str(T0 + 119)]
+    for extra, hint in ((["--node", "zz"], "nodes there: b"), (["--gpu", "7"], "GPUs there: 0")):
+        p = cli(*window, *extra)
+        lines = p.stderr.strip().splitlines()
+        assert p.returncode == 2 and len(lines) == 1 and lines[0].endswith(hint), p.stderr
+
+
 def test_a_missing_or_empty_store_gives_one_line_and_exit_2(cli, tmp_path):
     empty = tmp_path / "empty.db"
     empty.write_bytes(b"")

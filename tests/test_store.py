@@ -126,6 +126,21 @@ def test_frames_read_back_exactly_as_appended_before_and_after_sealing(tmp_path)
     assert got.node == "node-a"
 
 
+def test_a_window_is_the_node_its_rows_name_though_its_chunks_also_hold_another_nodes(tmp_path):
+    # Node a wrote the first minute of the interval, node b the second; closing seals both into
+    # one chunk. A window over the second minute reads that chunk's labels, but only node b's rows.
+    path = str(tmp_path / "handover.db")
+    with Store.open(path, chunk_s=300) as store:
+        for s in range(120):
+            store.append([Frame("gpu", T0 + s, [{"node": "a" if s < 60 else "b", "gpu": 0,
+                                                  M.gpu_utilization_ratio: 0.5}])])
+            store.flush()
+    assert fresh_and_sealed(path)["gpu"] == (0, 1)
+    with Store.open(path, readonly=True) as reader:
+        assert reader.window(T0 + 90, T0 + 119).node == "b"
+        assert reader.window(T0, T0 + 119).node is None  # both nodes: the window names neither
+
+
 def test_a_seal_keeps_every_value_and_type_of_fresh_chunks_that_differ_in_their_columns(tmp_path):
     # Fresh chunks are flattened and their labels shared one by one before they are joined.
     def row(tick: int) -> dict:
