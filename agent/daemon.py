@@ -649,6 +649,10 @@ class Agent:
         self.node = node or config.get("agent.node") or ("sim-node" if sim else socket.gethostname())
         self._given_probes = probes
         self._serve_metrics = serve_metrics
+        if sim is not None:
+            from gpudiag.reference_engine import scenarios
+
+            scenarios.get(sim)  # an unknown name is refused before the store is opened or created
         self.store = Store.open(config.store_path(), retention_s=config.get("store.retention_s"),
                                 max_bytes=config.get("store.max_bytes"))
         self.latest = LatestFrames(self.node, export_engine_dialect=sim is not None)
@@ -678,6 +682,7 @@ class Agent:
         self._memory = MemoryKeeper()
         self._heavy = threading.Lock()  # held by an analysis, and by a flush that may seal
         self._seals_deferred = 0
+        self._stopped = False
 
     # -- wiring ------------------------------------------------------------------------------
     def _open_probes(self) -> list[ProbeSlot]:
@@ -984,7 +989,13 @@ class Agent:
         return changed
 
     def stop(self, timeout_s: float = 3.0) -> None:
-        """Stop probes and threads, flush the store and close everything, within about ``timeout_s``."""
+        """Stop probes and threads, flush the store and close everything, within about ``timeout_s``.
+
+        Once: a start that failed has stopped what it had started, and its caller's stop finds
+        nothing left to do."""
+        if self._stopped:
+            return
+        self._stopped = True
         deadline = time.monotonic() + timeout_s
         self._stop.set()
         self.window.wake()

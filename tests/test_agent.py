@@ -261,6 +261,32 @@ def test_an_invalid_config_file_is_one_line_naming_the_key(cli, tmp_path, text, 
     assert not (tmp_path / "s.db").exists(), "a bad config must fail before the store is created"
 
 
+def test_an_unknown_scenario_is_one_line_before_the_store_is_created(cli, tmp_path):
+    proc = cli("agent", "--sim", "no-such-scenario", "--store", tmp_path / "s.db",
+               "--listen", f"127.0.0.1:{free_port()}", timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "unknown scenario 'no-such-scenario'" in lines[0], proc.stderr
+    assert "kv-eviction-storm" in lines[0]  # the valid names
+    assert not (tmp_path / "s.db").exists(), "an unknown scenario must fail before the store is created"
+
+
+def test_a_port_in_use_ends_the_start_with_one_error_after_a_single_stop(cli, tmp_path):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        proc = cli("agent", "--sim", "healthy", "--store", tmp_path / "s.db",
+                   "--listen", f"127.0.0.1:{taken.getsockname()[1]}", timeout=60)
+    finally:
+        taken.close()
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[-1].startswith("gpudiag: error: cannot listen on 127.0.0.1:"), proc.stderr
+    assert sum("agent stopped" in ln for ln in lines) == 1 and not any("stopping" in ln for ln in lines), proc.stderr
+    with Store.open(str(tmp_path / "s.db")) as store:  # closed and unlocked: the next agent may take it
+        assert store.health()["writable"]
+
+
 def test_a_config_file_overrides_defaults_and_the_command_line_overrides_it(tmp_path):
     cfg = tmp_path / "agent.toml"
     cfg.write_text('[probes]\nengine_interval_s = 2\nengine_urls = ["http://127.0.0.1:8000/metrics"]\n'

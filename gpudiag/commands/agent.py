@@ -52,8 +52,10 @@ def run(config_path: str | None, overrides: dict, *, sim: str | None, speed: flo
     stop, hup = threading.Event(), threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda *_: hup.set())
+    started = False
     try:
-        agent.start()
+        agent.start()  # a start that fails stops what it had started, then raises
+        started = True
         while not stop.is_set():
             stop.wait(0.2)
             if hup.is_set():
@@ -62,12 +64,13 @@ def run(config_path: str | None, overrides: dict, *, sim: str | None, speed: flo
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        log.info("stopping: flushing the store")
-        cutoff = threading.Timer(SHUTDOWN_DEADLINE_S, _give_up)
-        cutoff.daemon = True
-        cutoff.start()
-        agent.stop()
-        cutoff.cancel()
+        if started:
+            log.info("stopping: flushing the store")
+            cutoff = threading.Timer(SHUTDOWN_DEADLINE_S, _give_up)
+            cutoff.daemon = True
+            cutoff.start()
+            agent.stop()
+            cutoff.cancel()
     return 0
 
 
