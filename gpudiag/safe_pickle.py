@@ -23,7 +23,7 @@ from __future__ import annotations
 import io
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from gpudiag.errors import GpudiagError
 
@@ -59,8 +59,12 @@ class PlainDataUnpickler(pickle.Unpickler):
 
 def loads_plain(data: bytes, source: str = "pickle") -> Any:
     """Unpickle ``data`` with PlainDataUnpickler; GpudiagError (naming ``source``) on anything else."""
+    return _load_plain(io.BytesIO(data), source)
+
+
+def _load_plain(file: BinaryIO, source: str) -> Any:
     try:
-        return PlainDataUnpickler(io.BytesIO(data)).load()
+        return PlainDataUnpickler(file).load()
     except RefusedGlobal as exc:
         raise GpudiagError(
             f"refusing to load {source}: it asks to import {exc.module}.{exc.name}, and only plain "
@@ -82,11 +86,14 @@ def load_snapshot(path: str | Path) -> Any:
     """
     p = Path(path)
     try:
-        data = p.read_bytes()
+        file = p.open("rb")
     except FileNotFoundError:
         raise GpudiagError(f"snapshot file not found: {p}") from None
     except IsADirectoryError:
         raise GpudiagError(f"{p} is a directory, not a snapshot file") from None
     except OSError as exc:
         raise GpudiagError(f"cannot read snapshot file {p}: {exc.strerror or exc}") from None
-    return loads_plain(data, source=str(p))
+    # Read as the pickle asks for its bytes, not whole first: a stream that never ends (a device,
+    # a pipe that is not a pickle) is refused at its first bad byte instead of filling memory.
+    with file:
+        return _load_plain(file, str(p))

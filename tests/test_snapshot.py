@@ -7,6 +7,7 @@ import os
 import pickle
 import re
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -174,6 +175,30 @@ def test_a_pickle_that_would_run_a_command_is_refused_and_runs_nothing(tmp_path,
         from collections import OrderedDict
         load_snapshot(_write(tmp_path / "od.pickle", OrderedDict(segments=[])))
     assert not marker.exists()
+
+
+def test_a_stream_that_never_ends_is_refused_at_its_first_bad_byte_not_read_whole(tmp_path):
+    # A named pipe fed zeros as fast as it is read (a device, or a pipe that carries no pickle): the
+    # loader must stop reading where the pickle goes wrong, not take the stream in whole first.
+    fifo = tmp_path / "endless.pickle"
+    os.mkfifo(fifo)
+    written = []
+
+    def feed():
+        try:
+            with open(fifo, "wb") as f:
+                for _ in range(1024):  # 64 MiB at most
+                    f.write(bytes(65536))
+                    written.append(65536)
+        except BrokenPipeError:  # the reader closed it: what it had read was enough
+            pass
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    with pytest.raises(GpudiagError, match="invalid load key"):
+        load_snapshot(fifo)
+    feeder.join(30)
+    assert not feeder.is_alive() and sum(written) < MIB, sum(written)
 
 
 def test_damaged_or_foreign_pickles_are_one_error_line(tmp_path, cli_here):
