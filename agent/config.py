@@ -234,15 +234,23 @@ def parse(text: str, source: str = "<text>") -> AgentConfig:
     return cfg
 
 
+# A config is a few hundred bytes of TOML; a path to something else (a device, a stream that never
+# ends, a large file given by mistake) is refused after this much, not read until memory runs out.
+MAX_CONFIG_BYTES = 1 << 20
+
+
 def load(path: str | None) -> AgentConfig:
     """The configuration in ``path`` (TOML), or every default when ``path`` is None."""
     if path is None:
         return AgentConfig()
     try:
         with open(path, "rb") as fh:
-            raw = fh.read()
+            raw = fh.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
         raise GpudiagError(f"config {path}: cannot read it: {exc.strerror or exc}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise GpudiagError(f"config {path}: more than {MAX_CONFIG_BYTES} bytes; not an agent config "
+                           "(a device or a stream that does not end?)")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:

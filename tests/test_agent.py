@@ -261,6 +261,19 @@ def test_an_invalid_config_file_is_one_line_naming_the_key(cli, tmp_path, text, 
     assert not (tmp_path / "s.db").exists(), "a bad config must fail before the store is created"
 
 
+def test_a_config_path_to_an_endless_stream_or_a_huge_file_is_refused_without_reading_it_all(cli, tmp_path):
+    huge = tmp_path / "huge.toml"
+    huge.write_text("# a comment line of a config far larger than any agent config\n" * 20000)  # 1.3 MB
+    for path in ("/dev/zero", huge):
+        proc = cli("agent", "--config", path, "--store", tmp_path / "s.db", "--listen", f"127.0.0.1:{free_port()}",
+                   timeout=60)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and "not an agent config" in lines[0], proc.stderr
+    assert not (tmp_path / "s.db").exists()
+    with pytest.raises(GpudiagError, match="not an agent config"):
+        load("/dev/zero")  # the SIGHUP reload reads through the same function
+
+
 def test_an_unknown_scenario_is_one_line_before_the_store_is_created(cli, tmp_path):
     proc = cli("agent", "--sim", "no-such-scenario", "--store", tmp_path / "s.db",
                "--listen", f"127.0.0.1:{free_port()}", timeout=60)
