@@ -65,6 +65,12 @@ class Phase:
     qps: float | None = None  # None: the workload's rate
 
 
+# Every request of a run is made up front and simulated. kv-eviction-storm asks for about 72,000 and
+# runs in about a minute; this many would take half an hour and a gigabyte or so, and a --qps or
+# --duration typed with a few zeros too many would run out of memory before printing anything.
+MAX_REQUESTS = 2_000_000
+
+
 @dataclass
 class Workload:
     """Arrival process plus phases; ``generate`` gives the run's requests."""
@@ -80,6 +86,12 @@ class Workload:
             raise GpudiagError(f"QPS must be a positive number, got {self.qps}")
         if not (self.duration_s > 0):
             raise GpudiagError(f"duration must be positive, got {self.duration_s}")
+        if not self.trace_path:
+            rate = max([self.qps] + [ph.qps for ph in self.phases if ph.qps is not None])
+            asked = rate * self.duration_s
+            if not (asked <= MAX_REQUESTS):
+                raise GpudiagError(f"{rate:g} QPS for {self.duration_s:g} s asks for up to {asked:.3g} requests; "
+                                   f"at most {MAX_REQUESTS:,} are simulated: lower the QPS or the duration")
         if not self.phases and not self.trace_path:
             raise GpudiagError("a workload needs phases or a trace")
         for ph in self.phases:

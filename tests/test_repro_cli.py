@@ -65,6 +65,9 @@ def test_list_names_every_scenario_and_fix(cli):
     (["repro", "kv-eviction-storm", "--model", "gpt-9"], "unknown model"),
     (["repro", "kv-eviction-storm", "--seed", "abc"], "seed"),
     (["repro", "kv-eviction-storm", "--duration", "-1"], "duration must be positive"),
+    (["repro", "kv-eviction-storm", "--qps", "1e308"], "at most 2,000,000 are simulated"),
+    (["repro", "kv-eviction-storm", "--duration", "1e9"], "at most 2,000,000 are simulated"),
+    (["repro", "kv-eviction-storm", "--duration", "inf"], "at most 2,000,000 are simulated"),
 ])
 def test_bad_input_gives_one_line_and_exit_2(cli, args, needle):
     r = cli(*args)
