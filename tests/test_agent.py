@@ -274,6 +274,15 @@ def test_a_config_path_to_an_endless_stream_or_a_huge_file_is_refused_without_re
         load("/dev/zero")  # the SIGHUP reload reads through the same function
 
 
+@pytest.mark.parametrize("speed", ["nan", "inf", "0", "-3"])
+def test_a_sim_speed_that_is_not_a_positive_number_is_one_line_before_the_store_is_created(cli, tmp_path, speed):
+    proc = cli("agent", "--sim", "healthy", "--speed", speed, "--store", tmp_path / "s.db",
+               "--listen", f"127.0.0.1:{free_port()}", timeout=30)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "--speed must be a positive number" in lines[0], proc.stderr
+    assert not (tmp_path / "s.db").exists()
+
+
 def test_an_unknown_scenario_is_one_line_before_the_store_is_created(cli, tmp_path):
     proc = cli("agent", "--sim", "no-such-scenario", "--store", tmp_path / "s.db",
                "--listen", f"127.0.0.1:{free_port()}", timeout=60)

@@ -9,6 +9,7 @@ store is refused with the store's message (exit 2).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import sys
@@ -43,8 +44,8 @@ def run(config_path: str | None, overrides: dict, *, sim: str | None, speed: flo
     from gpudiag.agent.daemon import Agent
 
     _setup_logging(verbose)
-    if speed <= 0:
-        raise GpudiagError(f"--speed must be positive, got {speed:g}")
+    if not (0 < speed < math.inf):  # NaN and infinity too: the simulation is paced by it
+        raise GpudiagError(f"--speed must be a positive number, got {speed:g}")
     if sim is None and speed != 1.0:
         raise GpudiagError("--speed applies to --sim only")
     config = load(config_path).with_overrides(overrides)
