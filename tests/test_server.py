@@ -412,6 +412,10 @@ def test_sigterm_mid_load_drains_every_in_flight_request_and_exits_0(tmp_path):
     (["--port", "0", "--kv-strategy", "foo"], "unknown KV strategy"),
     (["--port", "0", "--block-size", "0"], "block size must be a positive"),
     (["--port", "0", "--checkpoint", "/nonexistent.safetensors"], "cannot read /nonexistent.safetensors"),
+    (["--port", "0", "--device", "sim", "--kv-capacity-mb", "nan"], "--kv-capacity-mb must be a positive number"),
+    (["--port", "0", "--device", "sim", "--kv-capacity-mb", "inf"], "--kv-capacity-mb must be a positive number"),
+    # 1 EiB: host tensors of that size cannot be made on any machine this runs on
+    (["--port", "0", "--device", "cpu", "--kv-capacity-mb", str(2**40)], "more than this host's available memory"),
 ])
 def test_bad_serve_options_are_one_error_line_and_exit_2(cli, args, message):
     out = cli("engine", "serve", *args, timeout=120)

@@ -8,6 +8,7 @@ exit 0 (1 when the drain deadline passed with requests unanswered).
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import socket
 import sys
@@ -94,8 +95,15 @@ def register(app: typer.Typer) -> None:
         from gpudiag.reference_engine.scheduler import SchedulerConfig
         from gpudiag.reference_engine.server import ServerConfig
 
-        if kv_capacity_mb is not None and kv_capacity_mb <= 0:
-            raise GpudiagError(f"--kv-capacity-mb must be positive, got {kv_capacity_mb:g}")
+        if kv_capacity_mb is not None and not (0 < kv_capacity_mb < math.inf):
+            raise GpudiagError(f"--kv-capacity-mb must be a positive number, got {kv_capacity_mb:g}")
+        if device == "cpu" and kv_capacity_mb is not None:
+            import psutil
+
+            available = psutil.virtual_memory().available
+            if kv_capacity_mb * 2**20 > available:
+                raise GpudiagError(f"--kv-capacity-mb {kv_capacity_mb:g} is more than this host's available memory "
+                                   f"({available / 2**20:.0f} MiB): --device cpu holds the KV cache in host memory")
         if rate is None and burst is not None:
             raise GpudiagError("--burst needs --rate")
         kv = None
