@@ -167,6 +167,8 @@ def _validated(section: str, key: str, value: Any, source: str) -> Any:
         names = " or ".join({int: "an integer", float: "a number", str: "a string", bool: "true or false",
                              list: "a list"}[t] for t in types)
         _fail(source, dotted, f"must be {names}, not {value!r}")
+    if isinstance(value, float) and value != value:  # TOML's nan: every bound below would let it through
+        _fail(source, dotted, "must be a number, not nan")
     if spec.minimum is not None and value < spec.minimum:
         _fail(source, dotted, f"must be at least {spec.minimum:g}, not {value!r}")
     if spec.maximum is not None and value > spec.maximum:

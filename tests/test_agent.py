@@ -249,6 +249,9 @@ def test_sigterm_flushes_exits_0_and_leaves_an_intact_store(storm_agent):
     ('[probes]\nnvml_interval_s = 0\n', "probes.nvml_interval_s"),
     ('[exporter]\nlisten_address = "127.0.0.1:1"\n', "exporter.listen_address"),
     ('[probes]\nebpf = "sometimes"\n', "probes.ebpf"),
+    ('[analyzers]\ninterval_s = nan\n', "analyzers.interval_s"),  # TOML has nan, and it compares false
+    ('[store]\nretention_s = nan\n', "store.retention_s"),
+    ('[probes]\nnvml_interval_s = inf\n', "probes.nvml_interval_s"),
 ])
 def test_an_invalid_config_file_is_one_line_naming_the_key(cli, tmp_path, text, key):
     cfg = tmp_path / "agent.toml"
