@@ -23,6 +23,7 @@ that got a token is returned. Time is the wall clock (``time.monotonic``).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -86,8 +87,8 @@ class LLMEngineConfig:
             raise GpudiagError("kv_capacity_bytes must be positive")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise GpudiagError("max_model_len must be positive")
-        if self.sim_speed is not None and self.sim_speed <= 0:
-            raise GpudiagError("sim_speed must be positive")
+        if self.sim_speed is not None and not (0 < self.sim_speed < math.inf):  # None: no pacing
+            raise GpudiagError(f"sim_speed must be a positive number, got {self.sim_speed:g}")
         if not 0.0 < self.cuda_memory_fraction <= 1.0:
             raise GpudiagError("cuda_memory_fraction must be in (0, 1]")
         if self.cpu_threads is not None and self.cpu_threads <= 0:

@@ -413,6 +413,8 @@ def test_sigterm_mid_load_drains_every_in_flight_request_and_exits_0(tmp_path):
     (["--port", "0", "--block-size", "0"], "block size must be a positive"),
     (["--port", "0", "--checkpoint", "/nonexistent.safetensors"], "cannot read /nonexistent.safetensors"),
     (["--port", "0", "--device", "sim", "--kv-capacity-mb", "nan"], "--kv-capacity-mb must be a positive number"),
+    (["--port", "0", "--device", "sim", "--sim-speed", "nan"], "sim_speed must be a positive number"),
+    (["--port", "0", "--device", "sim", "--sim-speed", "inf"], "sim_speed must be a positive number"),
     (["--port", "0", "--device", "sim", "--kv-capacity-mb", "inf"], "--kv-capacity-mb must be a positive number"),
     # 1 EiB: host tensors of that size cannot be made on any machine this runs on
     (["--port", "0", "--device", "cpu", "--kv-capacity-mb", str(2**40)], "more than this host's available memory"),
