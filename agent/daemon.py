@@ -682,7 +682,6 @@ class Agent:
         self._memory = MemoryKeeper()
         self._heavy = threading.Lock()  # held by an analysis, and by a flush that may seal
         self._seals_deferred = 0
-        self._stopped = False
 
     # -- wiring ------------------------------------------------------------------------------
     def _open_probes(self) -> list[ProbeSlot]:
@@ -993,9 +992,8 @@ class Agent:
 
         Once: a start that failed has stopped what it had started, and its caller's stop finds
         nothing left to do."""
-        if self._stopped:
+        if self._stop.is_set():
             return
-        self._stopped = True
         deadline = time.monotonic() + timeout_s
         self._stop.set()
         self.window.wake()

@@ -178,6 +178,13 @@ class LLMEngine:
         shape = shape_of(mc)
         spec = gpu_spec(cfg.gpu)
         if cfg.device == "cpu":
+            import psutil
+
+            # The cpu device holds the KV pool in host memory, as cuda checks the device's free memory.
+            available = psutil.virtual_memory().available
+            if cfg.kv_capacity_bytes is not None and cfg.kv_capacity_bytes > available:
+                raise GpudiagError(f"device cpu: a KV cache of {cfg.kv_capacity_bytes / MIB:.0f} MiB is more than "
+                                   f"this host's available memory ({available / MIB:.0f} MiB); lower the KV capacity")
             layout = DeviceLayout(cuda_context_bytes=512 * MIB, memory_fraction=1.0, activation_bytes=64 * MIB)
             # Each of weights, activations and the KV pool is one block of the allocator
             # model: the device holds the segments the allocator would cudaMalloc for them.

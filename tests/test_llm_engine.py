@@ -206,6 +206,12 @@ def test_a_request_that_could_never_run_is_refused_at_once(prompt, max_tokens, m
     assert not engine.has_unfinished
 
 
+def test_a_cpu_kv_cache_larger_than_the_hosts_available_memory_is_refused_before_anything_is_built():
+    # 1 EiB: no host this runs on has it; the engine says so instead of failing inside torch
+    with pytest.raises(GpudiagError, match="more than this host's available memory"):
+        LLMEngine(LLMEngineConfig(device="cpu", kv_capacity_bytes=2**60))
+
+
 def test_the_sim_device_runs_the_same_scheduler_without_tensors():
     engine = LLMEngine(LLMEngineConfig(device="sim", sim_speed=None))
     assert engine.model is None and engine.model_config.name == "llama-7b"
