@@ -1,0 +1,386 @@
+#!/usr/bin/env python3
+"""Verdicts on the real corpus: expected against got, per finding kind, and the figures
+against their references.
+
+Every artifact of ``../shared/data/real`` (MANIFEST.md) goes through the command a user
+would run on it, as a subprocess with ``--json``:
+
+- Kineto traces: ``gpudiag analyze trace``; idle / compute / non-compute against HTA's;
+- memory snapshots: ``gpudiag analyze snapshot``; reserved / allocated / largest free /
+  releasable against MANIFEST's;
+- the 72 InferenceX vLLM runs: turned back into vLLM's series, backfilled into a real
+  Prometheus (``promtool tsdb create-blocks-from openmetrics``), then ``gpudiag investigate
+  --prometheus --node RUN`` over each run's span (``--vllm-via file``: ``investigate --file``
+  over the same OpenMetrics text instead);
+- nvidia-smi logs, the dcgm-exporter scrape, the Alibaba pod trace and the co-tenant incident:
+  ``gpudiag investigate --file``, where this gpudiag has it.
+
+The verdict each deserves is :data:`real_corpus.EXPECTED`-style (``tests/real_corpus.py``):
+named kinds at least at a severity, nothing else at warning or above. The confusion table
+counts, per kind, hits (expected and found at warning or above), misses, and false alarms
+(found at warning or above, not expected). An artifact whose command could not judge it
+(no such command, an internal error) counts as a miss where something was expected and is
+listed as unjudged.
+
+Before it prints a figure, the benchmark checks its input: the corpus' files are all there
+(12 traces, 6 snapshots, 72 runs with their rows), and every backfilled run's series are
+queryable in Prometheus. Otherwise it exits non-zero with the reason.
+
+    .venv/bin/python bench/bench_verdicts.py [--only traces,snapshots,vllm,files] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+import real_corpus as rc  # noqa: E402  (the corpus' one description, shared with the tests)
+
+SEVERITY_RANK = {"info": 0, "warning": 1, "critical": 2}
+PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
+COMMAND_TIMEOUT_S = 300
+
+
+class SetupError(Exception):
+    """The benchmark's input is not what it claims: no figure is printed."""
+
+
+@dataclass
+class Judged:
+    """One artifact: what it deserves and what gpudiag said."""
+
+    group: str
+    name: str
+    expect: rc.Expect
+    findings: list[dict] = field(default_factory=list)
+    unjudged: str | None = None  # why gpudiag could not judge it
+    figures: dict = field(default_factory=dict)  # observed against reference
+    exit_code: int | None = None
+
+    def alarms(self) -> dict[str, str]:
+        """kind -> worst severity among findings at warning or above."""
+        out: dict[str, str] = {}
+        for f in self.findings:
+            sev = f.get("severity", "info")
+            if SEVERITY_RANK.get(sev, 0) >= 1 and SEVERITY_RANK[sev] > SEVERITY_RANK.get(out.get(f["kind"], "info"), 0):
+                out[f["kind"]] = sev
+        return out
+
+    def outcome(self) -> dict[str, str]:
+        """kind -> hit | miss | false_alarm."""
+        got = self.alarms()
+        out = {}
+        for kind, lowest in self.expect.required.items():
+            ok = kind in got and SEVERITY_RANK[got[kind]] >= SEVERITY_RANK[lowest]
+            out[kind] = "hit" if ok else "miss"
+        for kind in got:
+            if kind not in self.expect.required:
+                out[kind] = "false_alarm"
+        return out
+
+
+def gpudiag(*args: str, timeout: float = COMMAND_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """``python -m gpudiag ARGS`` with this interpreter."""
+    env = dict(os.environ, COLUMNS="200")
+    return subprocess.run([sys.executable, "-m", "gpudiag", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def _json_or_unjudged(p: subprocess.CompletedProcess, judged: Judged) -> dict | None:
+    judged.exit_code = p.returncode
+    try:
+        return json.loads(p.stdout)
+    except json.JSONDecodeError:
+        last = (p.stderr.strip().splitlines() or ["no output"])[-1]
+        judged.unjudged = f"exit {p.returncode}: {last[:160]}"
+        return None
+
+
+# ---------------------------------------------------------------------------------------- traces
+def trace_verdicts() -> list[Judged]:
+    """Every real trace through ``analyze trace``."""
+    out = []
+    folder = rc.real("traces")
+    for name, hta in rc.HTA_FIGURES.items():
+        j = Judged("trace", name, rc.TRACE_EXPECT[name])
+        doc = _json_or_unjudged(gpudiag("analyze", "trace", str(folder / name), "--json"), j)
+        if doc is not None:
+            j.findings = doc.get("findings", [])
+            got = (doc["idle_pct"], doc["compute_pct"], doc["non_compute_pct"])
+            j.figures = {"hta": hta, "got": tuple(round(x, 2) for x in got),
+                         "max_diff_pp": round(max(abs(a - b) for a, b in zip(got, hta)), 2)}
+        out.append(j)
+    j = Judged("trace", rc.NO_GPU_TRACE, rc.Expect("no GPU activity: one line, exit 2"))
+    p = gpudiag("analyze", "trace", str(folder / rc.NO_GPU_TRACE), "--json")
+    j.exit_code = p.returncode
+    lines = [x for x in p.stderr.splitlines() if x.strip()]
+    j.figures = {"exit": p.returncode, "stderr_lines": len(lines)}
+    if p.returncode != 2 or len(lines) != 1:
+        j.unjudged = f"expected one line and exit 2, got exit {p.returncode} and {len(lines)} lines"
+    out.append(j)
+    return out
+
+
+# ------------------------------------------------------------------------------------- snapshots
+def snapshot_verdicts() -> list[Judged]:
+    """Every real snapshot through ``analyze snapshot``."""
+    out = []
+    for name, facts in rc.SNAPSHOT_FACTS.items():
+        j = Judged("snapshot", name, rc.SNAPSHOT_EXPECT[name])
+        doc = _json_or_unjudged(gpudiag("analyze", "snapshot", str(rc.real("snapshots", name)), "--json"), j)
+        if doc is not None:
+            j.findings = doc.get("findings", [])
+            got = {"reserved": doc["reserved_bytes"] / rc.MIB, "allocated": doc["allocated_bytes"] / rc.MIB,
+                   "largest_free": doc["largest_free_block_bytes"] / rc.MIB}
+            if "releasable_bytes" in doc:
+                got["releasable"] = doc["releasable_bytes"] / rc.MIB
+            ref = {"reserved": facts.reserved_mib, "allocated": facts.allocated_mib,
+                   "largest_free": facts.largest_free_mib, "releasable": facts.releasable_mib}
+            # MANIFEST rounds to the MiB (a tenth below 100 MiB): a figure matches within that.
+            j.figures = {k: (round(v, 1), ref[k], abs(v - ref[k]) <= max(0.5, ref[k] * 0.0005 + 0.5))
+                         for k, v in got.items()}
+        out.append(j)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ vLLM
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get_json(url: str):
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.load(r)
+
+
+class BackfilledPrometheus:
+    """A real Prometheus over a TSDB backfilled from OpenMetrics text (retention long enough
+    for samples recorded months ago)."""
+
+    def __init__(self, workdir: Path, openmetrics: Path):
+        for tool in (PROMETHEUS, PROMTOOL):
+            if not os.path.exists(tool):
+                raise SetupError(f"{tool} not found: install Debian's prometheus package "
+                                 "(scripts/system-deps.d/20-prometheus.sh)")
+        made = subprocess.run([PROMTOOL, "tsdb", "create-blocks-from", "openmetrics", "-q", str(openmetrics),
+                               str(workdir / "tsdb")], capture_output=True, text=True, timeout=900)
+        if made.returncode != 0:
+            raise SetupError(f"promtool could not backfill: {made.stderr.strip()[-300:]}")
+        (workdir / "prometheus.yml").write_text("scrape_configs: []\n")
+        port = _free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = open(workdir / "prometheus.log", "wb")
+        self.proc = subprocess.Popen(
+            [PROMETHEUS, f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'tsdb'}",
+             "--storage.tsdb.retention.time=100y", f"--web.listen-address=127.0.0.1:{port}"],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while True:
+            if self.proc.poll() is not None:
+                raise SetupError(f"prometheus exited with {self.proc.returncode} (log: {workdir / 'prometheus.log'})")
+            try:
+                if urllib.request.urlopen(f"{self.url}/-/ready", timeout=2).status == 200:
+                    break
+            except (OSError, urllib.error.URLError):
+                pass
+            if time.monotonic() > deadline:
+                raise SetupError("prometheus not ready within 120 s")
+            time.sleep(0.25)
+
+    def count(self, expr: str, at: float) -> float:
+        """The value of a scalar-valued query at ``at`` (0 when empty)."""
+        q = urllib.parse.urlencode({"query": expr, "time": f"{at:.3f}"})
+        res = _get_json(f"{self.url}/api/v1/query?{q}")["data"]["result"]
+        return float(res[0]["value"][1]) if res else 0.0
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+
+def _run_span(run: rc.InferenceXRun) -> tuple[float, float, int]:
+    import csv
+    import gzip
+
+    with gzip.open(run.path, "rt", newline="") as fh:
+        ts = [float(r["timestamp_sec"]) for r in csv.DictReader(fh)]
+    if not ts:
+        raise SetupError(f"{run.path.name}: no rows")
+    return min(ts), max(ts), len(ts)
+
+
+def vllm_verdicts(via: str, workdir: Path) -> list[Judged]:
+    """The InferenceX runs, through Prometheus (or ``investigate --file``)."""
+    runs = rc.inferencex_runs()
+    if len(runs) != 72:
+        raise SetupError(f"inferencex/index.csv lists {len(runs)} runs, not 72")
+    named = [(run, f"run{i:02d}") for i, run in enumerate(runs)]
+    om = workdir / "inferencex.om"
+    with open(om, "w") as fh:
+        for line in rc.inferencex_openmetrics(named):
+            fh.write(line + "\n")
+    spans = {run.run: _run_span(run) for run in runs}
+    prom = BackfilledPrometheus(workdir, om) if via == "prometheus" else None
+    out = []
+    try:
+        for run, instance in named:
+            lo, hi, rows = spans[run.run]
+            if prom is not None:
+                # Input check: every run's scrapes landed (the running-requests gauge at its last sample).
+                landed = prom.count(f'count_over_time(vllm:num_requests_running{{instance="{instance}:8000"}}'
+                                    f'[{int(hi - lo) + 2}s])', hi)
+                if landed < rows * 0.99:
+                    raise SetupError(f"{run.short}: {landed:.0f} of {rows} scrapes queryable in Prometheus")
+            j = Judged("vllm", run.short, rc.inferencex_expect(run))
+            if via == "prometheus":
+                args = ["investigate", "--prometheus", prom.url, "--node", instance]
+            else:
+                single = workdir / f"{instance}.om"
+                single.write_text("\n".join(rc.inferencex_openmetrics([(run, instance)])) + "\n")
+                args = ["investigate", "--file", str(single)]
+            p = gpudiag(*args, "--from", f"{lo:.3f}", "--to", f"{hi:.3f}", "--json")
+            doc = _json_or_unjudged(p, j)
+            if doc is not None:
+                j.findings = doc.get("findings", [])
+            j.figures = {"preemptions": run.preemptions, "kv_max_pct": run.kv_max_pct,
+                         "waiting_max": run.waiting_max}
+            out.append(j)
+            print(f"  {run.short:36s} {_verdict_text(j)}", file=sys.stderr, flush=True)
+    finally:
+        if prom is not None:
+            prom.close()
+    return out
+
+
+# ----------------------------------------------------------------------------------------- files
+def file_verdicts() -> list[Judged]:
+    """Recorded telemetry through ``investigate --file``, where this gpudiag has it."""
+    has_file = "--file" in gpudiag("investigate", "--help").stdout
+    out = []
+    for parts, expect in rc.FILE_EXPECT.items():
+        j = Judged("file", "/".join(parts[1:]), expect)
+        if not has_file:
+            j.unjudged = "this gpudiag has no `investigate --file`"
+        else:
+            doc = _json_or_unjudged(gpudiag("investigate", "--file", str(rc.real(*parts)), "--json"), j)
+            if doc is not None:
+                j.findings = doc.get("findings", [])
+        out.append(j)
+    return out
+
+
+# ---------------------------------------------------------------------------------------- report
+def _verdict_text(j: Judged) -> str:
+    if j.unjudged:
+        return f"UNJUDGED ({j.unjudged})"
+    got = j.alarms()
+    said = ", ".join(f"{k} {v}" for k, v in sorted(got.items())) or "nothing at warning or above"
+    bad = [f"{k}: {o}" for k, o in j.outcome().items() if o != "hit"]
+    return said + ("" if not bad else "   <-- " + "; ".join(bad))
+
+
+def confusion(judged: list[Judged]) -> dict[str, dict[str, int]]:
+    """kind -> {hit, miss, false_alarm}; plus '(unjudged)' for artifacts nobody judged."""
+    table: dict[str, dict[str, int]] = {}
+    for j in judged:
+        if j.unjudged:
+            row = table.setdefault("(unjudged)", {"hit": 0, "miss": 0, "false_alarm": 0})
+            row["miss" if j.expect.required else "hit"] += 0
+            for kind in j.expect.required:
+                table.setdefault(kind, {"hit": 0, "miss": 0, "false_alarm": 0})["miss"] += 1
+            table["(unjudged)"]["miss"] += 1
+            continue
+        for kind, outcome in j.outcome().items():
+            table.setdefault(kind, {"hit": 0, "miss": 0, "false_alarm": 0})[outcome] += 1
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", default="traces,snapshots,vllm,files",
+                    help="comma-separated groups: traces, snapshots, vllm, files")
+    ap.add_argument("--vllm-via", choices=("prometheus", "file"), default="prometheus")
+    ap.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    args = ap.parse_args(argv)
+    groups = {g.strip() for g in args.only.split(",") if g.strip()}
+    unknown = groups - {"traces", "snapshots", "vllm", "files"}
+    if unknown:
+        print(f"bench_verdicts: unknown group(s) {', '.join(sorted(unknown))}", file=sys.stderr)
+        return 2
+    why = rc.missing()
+    if why:
+        print(f"bench_verdicts: {why}", file=sys.stderr)
+        return 2
+    judged: list[Judged] = []
+    started = time.monotonic()
+    try:
+        rc.check_corpus()
+    except AssertionError as e:
+        print(f"bench_verdicts: input check failed: {e}", file=sys.stderr)
+        return 1
+    try:
+        if "traces" in groups:
+            judged += trace_verdicts()
+        if "snapshots" in groups:
+            judged += snapshot_verdicts()
+        if "vllm" in groups:
+            with tempfile.TemporaryDirectory(prefix="bench-verdicts-") as tmp:
+                judged += vllm_verdicts(args.vllm_via, Path(tmp))
+        if "files" in groups:
+            judged += file_verdicts()
+    except SetupError as e:
+        print(f"bench_verdicts: input check failed: {e}", file=sys.stderr)
+        return 1
+    table = confusion(judged)
+    if args.json:
+        print(json.dumps({"artifacts": [{"group": j.group, "name": j.name, "why": j.expect.why,
+                                         "expected": j.expect.required, "got": j.alarms(),
+                                         "outcome": j.outcome(), "unjudged": j.unjudged,
+                                         "figures": j.figures} for j in judged],
+                          "confusion": table}, indent=2, default=str))
+    else:
+        for group in ("trace", "snapshot", "vllm", "file"):
+            rows = [j for j in judged if j.group == group]
+            if not rows:
+                continue
+            print(f"\n== {group}s ({len(rows)})")
+            for j in rows:
+                fig = f"  [{j.figures}]" if j.figures and group in ("trace", "snapshot") else ""
+                print(f"  {j.name[:52]:52s} {_verdict_text(j)}{fig}")
+        print("\n== confusion (per kind: expected at warning or above vs got at warning or above)")
+        print(f"  {'kind':24s} {'hit':>5s} {'miss':>5s} {'false':>6s}")
+        for kind in sorted(table):
+            r = table[kind]
+            print(f"  {kind:24s} {r['hit']:5d} {r['miss']:5d} {r['false_alarm']:6d}")
+        false = sum(r["false_alarm"] for k, r in table.items() if k != "(unjudged)")
+        missed = sum(r["miss"] for k, r in table.items() if k != "(unjudged)")
+        print(f"\n  artifacts {len(judged)}; false warnings or criticals {false}; missed {missed}; "
+              f"unjudged {sum(1 for j in judged if j.unjudged)}; {time.monotonic() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

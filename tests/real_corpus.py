@@ -1,0 +1,250 @@
+"""The real corpus: where it lives, what each artifact is, and the verdict each deserves.
+
+``../shared/data/real`` (beside the repository) holds artifacts and telemetry that real
+machines recorded and nobody here produced (its MANIFEST.md says where each comes from and
+the facts known of it). This module is the one place that names them for the tests and for
+``bench/bench_verdicts.py``:
+
+- the paths, and a skip reason when the folder is absent;
+- :data:`EXPECTED`: per artifact, the findings a careful senior engineer would raise (kind
+  and lowest severity) -- everything else must stay below warning;
+- the reference figures MANIFEST.md gives (HTA's idle / compute / non-compute of each trace,
+  each snapshot's reserved / allocated / largest free / releasable);
+- :func:`inferencex_openmetrics`: a run of the InferenceX vLLM benchmark, whose CSV keeps the
+  benchmark's own column names, turned back into the vLLM V1 series it was scraped from, as
+  OpenMetrics text with timestamps (what ``promtool tsdb create-blocks-from openmetrics``
+  backfills and ``investigate --file`` reads).
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+REAL = REPO.parent / "shared" / "data" / "real"
+MIB = 1 << 20
+
+
+def real(*parts: str) -> Path:
+    """A path under the real corpus (it may not exist: see :func:`missing`)."""
+    return REAL.joinpath(*parts)
+
+
+def missing(*parts: str) -> str | None:
+    """Why a test of this part of the corpus must skip, or None when it is there."""
+    p = real(*parts)
+    if not p.exists():
+        return f"the real corpus is not at {p} (../shared/data/real beside the checkout)"
+    return None
+
+
+@dataclass(frozen=True)
+class Expect:
+    """The verdict an artifact deserves: these kinds at least at these severities, nothing
+    else at warning or above. ``why`` is the reason, as a senior engineer would give it."""
+
+    why: str
+    required: dict[str, str] = field(default_factory=dict)  # kind -> lowest severity (warning | critical)
+
+
+CALM = Expect("nothing harmful in it")
+
+# ---- Kineto traces (HTA's test data). Reference figures: HTA 0.6.1, % of the trace span.
+HTA_FIGURES: dict[str, tuple[float, float, float]] = {
+    "critical_path_cuda_event_sync_event_sync_trace.json.gz": (78.71, 18.63, 2.66),
+    "critical_path_cuda_event_sync_multi_stream_event_sync_trace.json.gz": (98.08, 1.89, 0.03),
+    "nccl_parser_config_nccl_data.json.gz": (77.78, 17.26, 4.97),
+    "nccl_data_ncclDevKernel.json.gz": (77.78, 17.26, 4.97),
+    "mtia_inference_trace_mtia_inference_rank_0.json.gz": (4.34, 86.17, 9.49),
+    "triton_example_triton_example.json.gz": (0.0, 100.0, 0.0),
+    "amd_trace_mi250_minitoy_train_ROCm6_2_kineto.json.gz": (98.53, 1.08, 0.39),
+    "trace_diff_test_test.json.gz": (7.47, 68.31, 24.23),
+    "trace_filter_sampled_rank-1.json.gz": (54.72, 22.57, 22.72),
+    "df_index_resolver_df_index_resolver.json.gz": (46.08, 35.55, 18.37),
+    "trace_file_list_inference_rank_1.json.gz": (98.16, 1.84, 0.0),
+}
+NO_GPU_TRACE = "cpu_only_rank-34.Jul_15_10_52_41.1074.pt.trace.json.gz"
+
+# ---- Memory snapshots: MANIFEST's figures (MiB) recomputed from the pickles.
+@dataclass(frozen=True)
+class SnapshotFacts:
+    reserved_mib: float
+    allocated_mib: float
+    largest_free_mib: float
+    releasable_mib: float
+    ooms: int
+
+
+SNAPSHOT_FACTS: dict[str, SnapshotFacts] = {
+    "real_snapshot_cnn.pickle": SnapshotFacts(128, 46.5, 20, 46, 0),
+    "Wedsonlin_medium_1024_training_memory_snapshot.pickle": SnapshotFacts(24012, 6556, 256, 11046, 0),
+    "Wedsonlin_medium_128_inference_memory_snapshot.pickle": SnapshotFacts(1682, 1624, 20, 44, 0),
+    "kkaitlyn111_memory_files_memory_ctx128_fullstep.pickle": SnapshotFacts(58280, 52332, 100, 5782, 0),
+    "cranberrii_ftcourse.pickle": SnapshotFacts(6172, 2191, 124, 2440, 0),
+    "Constructor-Sun.pickle": SnapshotFacts(109318, 27398, 26220, 59640, 1),
+}
+# The OOM of Constructor-Sun.pickle, replayed from its device trace up to the oom event.
+OOM_REQUEST_MIB, OOM_POOL_FREE_MIB, OOM_DEVICE_FREE_MIB = 5063, 133, 91
+
+# ---- InferenceX: 72 runs of a real vLLM V1 on B200.
+INFERENCEX = ("series", "inferencex")
+# Preemptions per run at which a run is a storm: hundreds in a quarter of an hour with the KV
+# cache pinned full is the engine thrashing; a handful in half an hour is its capacity edge.
+STORM_PREEMPTIONS = 50
+
+
+@dataclass(frozen=True)
+class InferenceXRun:
+    """One row of inferencex/index.csv."""
+
+    run: str
+    short: str
+    path: Path
+    duration_s: float
+    kv_max_pct: float
+    waiting_max: int
+    preemptions: int
+    command: str
+
+
+def inferencex_runs() -> list[InferenceXRun]:
+    """Every run of the InferenceX corpus, in index order."""
+    folder = real(*INFERENCEX)
+    runs = []
+    with open(folder / "index.csv", newline="") as fh:
+        for row in csv.DictReader(fh):
+            name = row["run"]
+            short = name.replace("sweep_results_20260204_062339__", "").replace("pareto_input__agentic_", "")
+            short = short.split("_fp4_")[0]
+            runs.append(InferenceXRun(run=name, short=short, path=folder / f"{name}.csv.gz",
+                                      duration_s=float(row["duration_s"]), kv_max_pct=float(row["kv_max_pct"]),
+                                      waiting_max=int(row["waiting_max"]), preemptions=int(row["preemptions"]),
+                                      command=row["vllm_command"]))
+    return runs
+
+
+def inferencex_expect(run: InferenceXRun) -> Expect:
+    """Hundreds of preemptions at a full KV cache: a storm (demand over capacity, vLLM is
+    paged). A handful, or none: calm, at most the capacity edge as info."""
+    if run.preemptions >= STORM_PREEMPTIONS:
+        return Expect(f"{run.preemptions} preemptions at a KV cache {run.kv_max_pct:g} % full, "
+                      f"{run.waiting_max} waiting", {"kv_eviction_storm": "warning"})
+    return Expect(f"{run.preemptions} preemptions in {run.duration_s:.0f} s: not a storm")
+
+
+# The benchmark's columns -> vLLM V1's series (vllm/v1/metrics/loggers.py): name, type, scale.
+INFERENCEX_SERIES: tuple[tuple[str, str, str, float], ...] = (
+    ("kv_cache_usage_pct", "vllm:kv_cache_usage_perc", "gauge", 0.01),
+    ("num_requests_running", "vllm:num_requests_running", "gauge", 1.0),
+    ("num_requests_waiting", "vllm:num_requests_waiting", "gauge", 1.0),
+    ("num_preemptions_total", "vllm:num_preemptions", "counter", 1.0),
+    ("prefix_cache_hits", "vllm:prefix_cache_hits", "counter", 1.0),
+    ("prefix_cache_queries", "vllm:prefix_cache_queries", "counter", 1.0),
+    ("prompt_tokens_total", "vllm:prompt_tokens", "counter", 1.0),
+    ("generation_tokens_total", "vllm:generation_tokens", "counter", 1.0),
+    ("request_success_total", "vllm:request_success", "counter", 1.0),
+)
+
+
+def _model_name(command: str) -> str:
+    parts = command.split()
+    return parts[2] if len(parts) > 2 and parts[:2] == ["vllm", "serve"] else "unknown"
+
+
+def inferencex_openmetrics(runs: list[tuple[InferenceXRun, str]], *, eof: bool = True) -> Iterator[str]:
+    """The runs' scrapes as vLLM's series, OpenMetrics lines with Unix-second timestamps.
+
+    ``runs`` pairs each run with the instance name its series carry. Labels are vLLM's
+    (``model_name``, ``engine``) plus ``instance`` (``host:port``, as Prometheus adds when it
+    scrapes) and ``job``. A family is written once with every run's samples (OpenMetrics
+    forbids a family in two places). Blank cells (a scrape that missed a series) are left
+    out, as a missing sample."""
+    tables = []
+    for run, instance in runs:
+        with gzip.open(run.path, "rt", newline="") as fh:
+            rows = list(csv.DictReader(fh))
+        labels = f'instance="{instance}:8000",job="vllm",model_name="{_model_name(run.command)}",engine="0"'
+        tables.append((labels, rows))
+    for column, name, kind, scale in INFERENCEX_SERIES:
+        yield f"# TYPE {name} {kind}"
+        suffix = "_total" if kind == "counter" else ""
+        for labels, rows in tables:
+            for row in rows:
+                cell = row.get(column, "")
+                if cell in ("", None):
+                    continue
+                yield f"{name}{suffix}{{{labels}}} {float(cell) * scale:.6g} {float(row['timestamp_sec']):.3f}"
+    if eof:
+        yield "# EOF"
+
+
+# ---- The verdict each artifact deserves.
+_TOO_LITTLE = "a handful of kernels in milliseconds: too little to judge a host-bound loop"
+TRACE_EXPECT: dict[str, Expect] = {
+    "critical_path_cuda_event_sync_event_sync_trace.json.gz": Expect(_TOO_LITTLE),
+    "critical_path_cuda_event_sync_multi_stream_event_sync_trace.json.gz": Expect(_TOO_LITTLE),
+    "trace_file_list_inference_rank_1.json.gz": Expect(_TOO_LITTLE),
+    "amd_trace_mi250_minitoy_train_ROCm6_2_kineto.json.gz": Expect(_TOO_LITTLE + " (16 kernels in 9 ms)"),
+    "nccl_parser_config_nccl_data.json.gz": Expect(
+        "training rank: the device idles 78 % of three steps, its compute stream's idle is host wait",
+        {"cpu_starved_gpu": "warning"}),
+    "nccl_data_ncclDevKernel.json.gz": Expect(
+        "the same rank with NCCL >= 2.19 kernel names: the same verdict", {"cpu_starved_gpu": "warning"}),
+    "df_index_resolver_df_index_resolver.json.gz": Expect(
+        "training rank: the device idles 46 % of five steps and 90 % of the compute stream's idle is host wait",
+        {"cpu_starved_gpu": "warning"}),
+    "mtia_inference_trace_mtia_inference_rank_0.json.gz": Expect("the MTIA device is 96 % busy"),
+    "triton_example_triton_example.json.gz": Expect("the device is busy for the whole (tiny) span"),
+    "trace_diff_test_test.json.gz": Expect("training step, device 92 % busy"),
+    "trace_filter_sampled_rank-1.json.gz": Expect(
+        "the compute stream's idle is mostly not host wait (36 %): not a CPU-starved device"),
+}
+
+SNAPSHOT_EXPECT: dict[str, Expect] = {
+    "real_snapshot_cnn.pickle": Expect("a 128 MiB process with free memory and no failed allocation"),
+    "Wedsonlin_medium_1024_training_memory_snapshot.pickle": Expect(
+        "free memory is mostly whole segments empty_cache would release; no failed allocation"),
+    "Wedsonlin_medium_128_inference_memory_snapshot.pickle": Expect("no failed allocation"),
+    "kkaitlyn111_memory_files_memory_ctx128_fullstep.pickle": Expect("no failed allocation"),
+    "cranberrii_ftcourse.pickle": Expect("no failed allocation"),
+    "Constructor-Sun.pickle": Expect(
+        "a capacity OOM: 5063 MiB asked with 133 MiB free in the pool and 91 MiB on the device",
+        {"memory_capacity": "warning"}),
+}
+
+_HEALTHY_LOG = "a healthy single-job run, mostly idle or training"
+FILE_EXPECT: dict[tuple[str, ...], Expect] = {
+    ("series", "nvidia-smi", "akrammoustafa__V100S__gpu_usage_a.log"): Expect(_HEALTHY_LOG),
+    ("series", "nvidia-smi", "beam11221_plato__gpu_log.csv"): Expect(_HEALTHY_LOG),
+    ("series", "nvidia-smi", "eobo0530_vlm_optimization__RTX4090__gpu_log.csv"): Expect(_HEALTHY_LOG),
+    ("series", "nvidia-smi", "singroup_ters_gen__A100__bash_gpu_usage__INTERLEAVED_CORRUPT.log"): Expect(
+        _HEALTHY_LOG + "; interleaved lines are skipped and counted"),
+    ("series", "nvidia-smi", "singroup_ters_gen__H200__gpu_usage.log"): Expect(_HEALTHY_LOG),
+    ("series", "nvidia-smi", "xypp3_gpu_glasses__8x80GB__nvidia_smi.csv"): Expect(_HEALTHY_LOG),
+    ("series", "dcgm", "dcgm_metrics_20250718_134233.csv"): Expect("a cross-section of 247 healthy H100s"),
+}
+
+
+def check_corpus() -> None:
+    """Raise AssertionError naming what is missing when the corpus is not the one MANIFEST
+    describes (a benchmark must not print figures over the wrong input)."""
+    problems = []
+    for name in list(HTA_FIGURES) + [NO_GPU_TRACE]:
+        if not real("traces", name).is_file():
+            problems.append(f"traces/{name}")
+    for name in SNAPSHOT_FACTS:
+        if not real("snapshots", name).is_file():
+            problems.append(f"snapshots/{name}")
+    for parts in FILE_EXPECT:
+        if not real(*parts).is_file():
+            problems.append("/".join(parts))
+    runs = inferencex_runs() if real(*INFERENCEX, "index.csv").is_file() else []
+    if len(runs) != 72:
+        problems.append(f"inferencex: {len(runs)} runs, not 72")
+    problems += [f"inferencex/{r.path.name}" for r in runs if not r.path.is_file()]
+    if problems:
+        raise AssertionError("the real corpus lacks " + ", ".join(problems[:8]))
