@@ -105,12 +105,22 @@ def snapshot_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.")] = False,
     html: Annotated[Path | None, typer.Option("--html", help="Also write a self-contained HTML segment map.")] = None,
     top: Annotated[int, typer.Option("--top", min=1, help="Segments in the table, most free bytes first.")] = 20,
+    device_total_gib: Annotated[float | None, typer.Option(
+        "--device-total-gib", help="Each GPU's memory capacity in GiB, when the snapshot does not record it "
+                                   "(torch's does not): stranded memory near capacity is judged only with it.",
+    )] = None,
 ) -> None:
-    """Fragmentation of the caching allocator: free bytes, largest hole, per segment and overall."""
-    from gpudiag.analyzers.snapshot import fragmentation_report, write_segment_map_html
+    """The caching allocator: stranded and releasable memory, holes, and what each OOM ran into."""
+    from gpudiag.analyzers.snapshot import FIX_ADVICE, fragmentation_report, write_segment_map_html
+    from gpudiag.errors import GpudiagError
     from gpudiag.safe_pickle import load_snapshot
 
-    report = fragmentation_report(load_snapshot(file))
+    total_bytes = None
+    if device_total_gib is not None:
+        if not math.isfinite(device_total_gib) or device_total_gib <= 0:
+            raise GpudiagError(f"--device-total-gib must be a positive number of GiB, not {device_total_gib}")
+        total_bytes = int(device_total_gib * 2**30)
+    report = fragmentation_report(load_snapshot(file), device_total_bytes=total_bytes)
     if html is not None:
         write_segment_map_html(report, html)
     doc = report.to_dict()
@@ -127,24 +137,48 @@ def snapshot_command(
     rows = [
         ("segments", "segment_count", str), ("reserved", "reserved_bytes", fmt_bytes),
         ("allocated", "allocated_bytes", fmt_bytes), ("pending free", "pending_free_bytes", fmt_bytes),
-        ("free", "free_bytes", fmt_bytes), ("largest free block", "largest_free_block_bytes", fmt_bytes),
+        ("free", "free_bytes", fmt_bytes),
+        ("  releasable (whole free segments)", "releasable_bytes", fmt_bytes),
+        ("  stranded (in partly used segments)", "stranded_bytes", fmt_bytes),
+        ("largest free block", "largest_free_block_bytes", fmt_bytes),
         ("external fragmentation", "external_fragmentation_ratio", fmt_ratio),
         ("inactive split", "inactive_split_bytes", fmt_bytes), ("OOM events", "oom_events", str),
+        ("device capacity", "device_total_bytes", lambda v: "unknown" if v is None else fmt_bytes(v)),
     ]
     for label, key, fmt in rows:
         totals.add_row(label, *(fmt(d[key]) for d in doc["devices"]))
     console.print(totals)
+    settings, workload = doc["allocator_settings"], doc["workload"]
+    exp = settings["expandable_segments"]
+    console.print(f"Expandable segments: {'not recorded' if exp is None else ('on' if exp else 'off')}"
+                  + ("" if exp is None else f" (from {settings['expandable_segments_source'].replace('_', ' ')})")
+                  + f". Workload: {workload['kind']}"
+                  + (f" ({workload['evidence'][0]})" if workload["evidence"] else "") + ".", markup=False)
+    if doc["ooms"]:
+        ooms = Table(title="OOMs, with the pool replayed to their moment")
+        for col in ("GPU", "requested", "free in pool", "largest free block", "free on device", "verdict"):
+            ooms.add_column(col, justify="right")
+        for o in doc["ooms"]:
+            ooms.add_row(str(o["device"]), fmt_bytes(o["requested_bytes"]), fmt_bytes(o["pool_free_bytes"]),
+                         fmt_bytes(o["largest_free_block_bytes"]), fmt_bytes(o["device_free_bytes"]),
+                         o["verdict"])
+        console.print(ooms)
     segs = sorted(doc["segments"], key=lambda s: -s["free_bytes"])[:top]
     if segs:
         table = Table(title=f"Segments with the most free bytes ({len(segs)} of {len(doc['segments'])})")
         for col in ("#", "GPU", "pool", "reserved", "allocated", "free", "largest free", "frag.", "blocks"):
             table.add_column(col, justify="right")
         for s in segs:
-            table.add_row(str(s["index"]), str(s["device"]), s["segment_type"], fmt_bytes(s["reserved_bytes"]),
-                          fmt_bytes(s["allocated_bytes"]), fmt_bytes(s["free_bytes"]),
+            table.add_row(f"{s['index']}" + (" *" if s["releasable"] else ""), str(s["device"]), s["segment_type"],
+                          fmt_bytes(s["reserved_bytes"]), fmt_bytes(s["allocated_bytes"]), fmt_bytes(s["free_bytes"]),
                           fmt_bytes(s["largest_free_block_bytes"]), fmt_ratio(s["external_fragmentation_ratio"]),
                           str(s["block_count"]))
         console.print(table)
+        if any(s["releasable"] for s in segs):
+            console.print("* a whole free segment: releasable cache (empty_cache returns it), not a hole")
     _print_findings(console, doc["findings"])
+    fixes = dict.fromkeys(x for f in doc["findings"] for x in f["fixes"])
+    for fix in fixes:
+        console.print(f"  {fix}: {FIX_ADVICE.get(fix, '')}", markup=False)
     if html is not None:
         console.print(f"Segment map written to {html}")
