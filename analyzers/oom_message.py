@@ -23,7 +23,8 @@ Verdicts, in order:
    ``gpu_cotenant``, critical (the allocation failed because another tenant has the GPU);
 2. the pool held at least the request free (reserved-but-unallocated >= request) and yet
    the allocation failed: no free block fitted -- ``memory_fragmentation``, critical;
-3. otherwise the process itself filled the device: ``memory_capacity``, critical.
+3. otherwise the process itself filled the device: an OOM at capacity, reported under
+   ``oom_forecast`` (the forecast's end point, reached: ``time_to_oom_s`` 0), critical.
 
 Repeated messages of one OOM (logged by several handlers) are one event: messages with the
 same figures within DUPLICATE_WINDOW_S collapse. One finding per GPU and verdict, covering
@@ -42,7 +43,8 @@ from gpudiag.units import fmt_bytes
 
 COTENANT_KIND = "gpu_cotenant"
 FRAGMENTATION_KIND = "memory_fragmentation"
-CAPACITY_KIND = "memory_capacity"
+# An OOM at capacity is the end point oom_forecast predicts; a memory snapshot reports it so too.
+CAPACITY_KIND = "oom_forecast"
 
 # A quarter of the device held by others is more than any monitoring agent or stray CUDA
 # context (a few hundred MiB); it is a workload.
@@ -211,6 +213,7 @@ def findings(parsed: list[OomEvent], node: str | None = None) -> list[Finding]:
             summary = (f"{head}; this process held {fmt_bytes(worst.this_process_bytes or 0)} and its pool had "
                        f"{fmt_bytes(worst.reserved_unallocated_bytes or 0)} free: the workload outgrew the device")
             fixes = ["smaller-batch", "activation-checkpointing"]
+            details["time_to_oom_s"] = 0.0
             steps = "lower the peak: smaller (micro-)batches, activation checkpointing, shorter sequences"
         details["next_step"] = steps
         out.append(Finding(kind=kind, severity=Severity.CRITICAL, start_s=start, end_s=end, summary=summary,

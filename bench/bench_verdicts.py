@@ -141,20 +141,16 @@ def trace_verdicts() -> list[Judged]:
 def snapshot_verdicts() -> list[Judged]:
     """Every real snapshot through ``analyze snapshot``."""
     out = []
-    for name, facts in rc.SNAPSHOT_FACTS.items():
+    for name, written in rc.SNAPSHOT_MANIFEST.items():
         j = Judged("snapshot", name, rc.SNAPSHOT_EXPECT[name])
         doc = _json_or_unjudged(gpudiag("analyze", "snapshot", str(rc.real("snapshots", name)), "--json"), j)
         if doc is not None:
             j.findings = doc.get("findings", [])
-            got = {"reserved": doc["reserved_bytes"] / rc.MIB, "allocated": doc["allocated_bytes"] / rc.MIB,
-                   "largest_free": doc["largest_free_block_bytes"] / rc.MIB}
-            if "releasable_bytes" in doc:
-                got["releasable"] = doc["releasable_bytes"] / rc.MIB
-            ref = {"reserved": facts.reserved_mib, "allocated": facts.allocated_mib,
-                   "largest_free": facts.largest_free_mib, "releasable": facts.releasable_mib}
-            # MANIFEST rounds to the MiB (a tenth below 100 MiB): a figure matches within that.
-            j.figures = {k: (round(v, 1), ref[k], abs(v - ref[k]) <= max(0.5, ref[k] * 0.0005 + 0.5))
-                         for k, v in got.items()}
+            keys = ("reserved_bytes", "allocated_bytes", "largest_free_block_bytes", "releasable_bytes")
+            got = [rc.as_manifest_rounds(doc[k], w) if k in doc else None for k, w in zip(keys, written)]
+            j.figures = {"MiB": "/".join("?" if g is None else f"{g:g}" for g in got),
+                         "manifest": "/".join(written),
+                         "match": all(g == float(w) for g, w in zip(got, written))}
         out.append(j)
     return out
 

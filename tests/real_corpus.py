@@ -69,24 +69,26 @@ HTA_FIGURES: dict[str, tuple[float, float, float]] = {
 }
 NO_GPU_TRACE = "cpu_only_rank-34.Jul_15_10_52_41.1074.pt.trace.json.gz"
 
-# ---- Memory snapshots: MANIFEST's figures (MiB) recomputed from the pickles.
-@dataclass(frozen=True)
-class SnapshotFacts:
-    reserved_mib: float
-    allocated_mib: float
-    largest_free_mib: float
-    releasable_mib: float
-    ooms: int
-
-
-SNAPSHOT_FACTS: dict[str, SnapshotFacts] = {
-    "real_snapshot_cnn.pickle": SnapshotFacts(128, 46.5, 20, 46, 0),
-    "Wedsonlin_medium_1024_training_memory_snapshot.pickle": SnapshotFacts(24012, 6556, 256, 11046, 0),
-    "Wedsonlin_medium_128_inference_memory_snapshot.pickle": SnapshotFacts(1682, 1624, 20, 44, 0),
-    "kkaitlyn111_memory_files_memory_ctx128_fullstep.pickle": SnapshotFacts(58280, 52332, 100, 5782, 0),
-    "cranberrii_ftcourse.pickle": SnapshotFacts(6172, 2191, 124, 2440, 0),
-    "Constructor-Sun.pickle": SnapshotFacts(109318, 27398, 26220, 59640, 1),
+# ---- Memory snapshots: MANIFEST's figures recomputed from the pickles, in MiB as MANIFEST
+# writes them (reserved, allocated, largest free, releasable); a figure matches when ours,
+# rounded to as many decimals, reads the same.
+SNAPSHOT_MANIFEST: dict[str, tuple[str, str, str, str]] = {
+    "real_snapshot_cnn.pickle": ("128", "46.5", "20", "46"),
+    "Wedsonlin_medium_1024_training_memory_snapshot.pickle": ("24012", "6556", "256", "11046"),
+    "Wedsonlin_medium_128_inference_memory_snapshot.pickle": ("1682", "1624", "20", "44"),
+    "kkaitlyn111_memory_files_memory_ctx128_fullstep.pickle": ("58280", "52332", "100", "5782"),
+    "cranberrii_ftcourse.pickle": ("6172", "2191", "124", "2440"),
+    "Constructor-Sun.pickle": ("109318", "27398", "26220", "59640"),
 }
+SNAPSHOT_WITH_OOM = "Constructor-Sun.pickle"
+
+
+def as_manifest_rounds(value_bytes: float, written: str) -> float:
+    """``value_bytes`` in MiB, rounded to as many decimals as MANIFEST wrote ``written``."""
+    decimals = len(written.split(".")[1]) if "." in written else 0
+    return round(value_bytes / MIB, decimals)
+
+
 # The OOM of Constructor-Sun.pickle, replayed from its device trace up to the oom event.
 OOM_REQUEST_MIB, OOM_POOL_FREE_MIB, OOM_DEVICE_FREE_MIB = 5063, 133, 91
 
@@ -213,7 +215,7 @@ SNAPSHOT_EXPECT: dict[str, Expect] = {
     "cranberrii_ftcourse.pickle": Expect("no failed allocation"),
     "Constructor-Sun.pickle": Expect(
         "a capacity OOM: 5063 MiB asked with 133 MiB free in the pool and 91 MiB on the device",
-        {"memory_capacity": "warning"}),
+        {"oom_forecast": "critical"}),
 }
 
 _HEALTHY_LOG = "a healthy single-job run, mostly idle or training"
@@ -236,7 +238,7 @@ def check_corpus() -> None:
     for name in list(HTA_FIGURES) + [NO_GPU_TRACE]:
         if not real("traces", name).is_file():
             problems.append(f"traces/{name}")
-    for name in SNAPSHOT_FACTS:
+    for name in SNAPSHOT_MANIFEST:
         if not real("snapshots", name).is_file():
             problems.append(f"snapshots/{name}")
     for parts in FILE_EXPECT:

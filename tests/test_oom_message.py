@@ -44,7 +44,7 @@ def test_an_oom_with_more_than_the_request_free_in_the_pool_is_fragmentation():
 
 def test_an_oom_of_a_process_that_filled_the_device_itself_is_capacity_not_fragmentation():
     f = _one(NEW_CAPACITY)
-    assert f.kind == "memory_capacity"
+    assert f.kind == "oom_forecast" and f.details["time_to_oom_s"] == 0
     assert "paged-kv" not in f.fixes and "5.0 GiB asked" in f.summary
 
 

@@ -15,25 +15,16 @@ import json
 from pathlib import Path
 
 import pytest
+import real_corpus as rc
 
 from gpudiag.analyzers.snapshot import fragmentation_report
 from gpudiag.cli import main
 from gpudiag.safe_pickle import load_snapshot
 
-MIB = 2**20
-REPO = Path(__file__).resolve().parents[1]
-SNAPSHOTS = REPO / ".." / "shared" / "data" / "real" / "snapshots"
-
-# file -> (reserved, allocated, largest free, releasable) in MiB, as MANIFEST writes them
-MANIFEST = {
-    "real_snapshot_cnn.pickle": ("128", "46.5", "20", "46"),
-    "Wedsonlin_medium_1024_training_memory_snapshot.pickle": ("24012", "6556", "256", "11046"),
-    "Wedsonlin_medium_128_inference_memory_snapshot.pickle": ("1682", "1624", "20", "44"),
-    "kkaitlyn111_memory_files_memory_ctx128_fullstep.pickle": ("58280", "52332", "100", "5782"),
-    "cranberrii_ftcourse.pickle": ("6172", "2191", "124", "2440"),
-    "Constructor-Sun.pickle": ("109318", "27398", "26220", "59640"),
-}
-WITHOUT_OOM = [name for name in MANIFEST if name != "Constructor-Sun.pickle"]
+# MANIFEST's figures and the corpus' place: one description, shared with bench/bench_verdicts.py.
+MANIFEST = rc.SNAPSHOT_MANIFEST
+SNAPSHOTS = rc.real("snapshots")
+WITHOUT_OOM = [name for name in MANIFEST if name != rc.SNAPSHOT_WITH_OOM]
 
 
 def _path(name: str) -> Path:
@@ -54,17 +45,11 @@ def _report(name: str):
     return _REPORTS[name]
 
 
-def _as_manifest_rounds(value_bytes: int, written: str) -> float:
-    """``value_bytes`` in MiB, rounded to as many decimals as MANIFEST wrote."""
-    decimals = len(written.split(".")[1]) if "." in written else 0
-    return round(value_bytes / MIB, decimals)
-
-
 @pytest.mark.parametrize("name", list(MANIFEST))
 def test_reserved_allocated_largest_free_and_releasable_match_the_manifest(name):
     t = _report(name).totals
     figures = (t.reserved_bytes, t.allocated_bytes, t.largest_free_block_bytes, t.releasable_bytes)
-    assert tuple(_as_manifest_rounds(v, w) for v, w in zip(figures, MANIFEST[name])) == \
+    assert tuple(rc.as_manifest_rounds(v, w) for v, w in zip(figures, MANIFEST[name])) == \
         tuple(float(w) for w in MANIFEST[name])
     # free memory is either releasable or stranded, never both, never neither
     assert t.stranded_bytes + t.releasable_bytes == t.free_bytes
@@ -114,8 +99,8 @@ def test_constructor_sun_is_a_capacity_oom_told_at_its_moment_not_fragmentation(
     report = _report("Constructor-Sun.pickle")
     [oom] = report.ooms
     # MANIFEST: 5063 MiB requested, 133 MiB free in the pool, 91 MiB free on the device
-    assert (round(oom.requested_bytes / MIB), round(oom.pool_free_bytes / MIB),
-            round(oom.device_free_bytes / MIB)) == (5063, 133, 91)
+    assert (round(oom.requested_bytes / rc.MIB), round(oom.pool_free_bytes / rc.MIB),
+            round(oom.device_free_bytes / rc.MIB)) == (rc.OOM_REQUEST_MIB, rc.OOM_POOL_FREE_MIB, rc.OOM_DEVICE_FREE_MIB)
     assert oom.device == 1 and oom.verdict == "capacity" and oom.replay_error is None
     assert oom.largest_free_block_bytes < oom.requested_bytes  # no hole fitted, but no sum of holes would have
     assert report.settings.expandable_segments is True
@@ -135,7 +120,7 @@ def test_constructor_sun_through_the_command_line(capsys):
     doc = json.loads(out)
     assert [(f["kind"], f["severity"]) for f in doc["findings"]] == [("oom_forecast", "critical")]
     assert doc["allocator_settings"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
-    assert (doc["stranded_bytes"] + doc["releasable_bytes"], doc["releasable_bytes"] // MIB) == \
+    assert (doc["stranded_bytes"] + doc["releasable_bytes"], doc["releasable_bytes"] // rc.MIB) == \
         (doc["free_bytes"], 59640)
     code = main(["analyze", "snapshot", str(path)])
     text = capsys.readouterr().out
