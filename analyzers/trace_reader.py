@@ -27,7 +27,19 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from gpudiag.analyzers.kineto import LAUNCH_CALLS, PROFILER_STEP, KinetoTrace, kernel_category
+from gpudiag.analyzers.kineto import (
+    DEVICE_CATEGORIES,
+    HOST_SYNC_CALLS,
+    LAUNCH_CALLS,
+    MEMORY,
+    MTIA_DEVICE_CATEGORY,
+    NO_STREAM_IDS,
+    PROFILER_STEP,
+    KinetoTrace,
+    WorkloadSignals,
+    kernel_category,
+    name_signal,
+)
 from gpudiag.errors import GpudiagError
 
 CHUNK_BYTES = 1 << 20
@@ -221,16 +233,54 @@ def _as_int(v: Any) -> int | None:
     return None
 
 
+_DECIMAL = re.compile(r"-?[0-9]+")
+MALFORMED_STREAM, MISSING_STREAM = "malformed_stream", "missing_stream"
+# Host-side event categories whose names tell training from inference.
+_HOST_OP_CATEGORIES = frozenset({"cpu_op", "user_annotation", "python_function"})
+
+
+def stream_id(value: Any) -> int | str | None:
+    """The stream of a device activity from its ``args.stream``.
+
+    An int (or an integral float, or a decimal string such as ``"7"``, which
+    HTA also reads as a number) is the stream id; -1 and 4294967295 (CUPTI's
+    "no stream", signed and unsigned) give None: no stream, not a problem.
+    Anything else gives the reason the activity cannot be placed:
+    MISSING_STREAM without a value, MALFORMED_STREAM for a value that is not
+    a non-negative integer id (``"seven"``, ``true``, ``-3``, ``[7]``).
+    """
+    if value is None:
+        return MISSING_STREAM
+    if value.__class__ is str and _DECIMAL.fullmatch(value):
+        value = int(value)
+    n = _as_int(value)
+    if n is None:
+        return MALFORMED_STREAM
+    if n in NO_STREAM_IDS:
+        return None
+    return n if n >= 0 else MALFORMED_STREAM
+
+
 def read_kineto_trace(path: str | Path) -> KinetoTrace:
     """Read a trace file into the columns of analyzers.kineto.KinetoTrace.
 
     Kept, as HTA keeps them: events with a ``dur`` and a ``cat`` other than
-    ``Trace``. An event whose ``args.stream`` is set is a GPU activity; a
-    host event with ``args.correlation`` is a runtime call (a launch when its
-    name is in LAUNCH_CALLS); ``ProfilerStep#N`` host events mark iterations.
-    Start and end are rounded inward to whole microseconds (start up, end
-    down), as HTA does for fractional timestamps. Everything else is dropped
-    as it is read.
+    ``Trace``. An event of a device category (DEVICE_CATEGORIES) on a stream
+    is a device activity; a host event with ``args.correlation`` is a runtime
+    call (a launch when its name is in LAUNCH_CALLS), whether or not it
+    carries a ``stream`` argument (ROCm's runtime calls and Triton's launcher
+    ops do: they are not device work); ``ProfilerStep#N`` host events mark
+    iterations. Start and end are rounded inward to whole microseconds (start
+    up, end down), as HTA does for fractional timestamps.
+
+    A device activity whose ``args.stream`` is missing or malformed (see
+    stream_id) is skipped and counted in ``KinetoTrace.skipped`` by reason,
+    with one offending value in ``skipped_example``: one bad event must not
+    sink a trace of millions, and the report says what was left out (when
+    nothing usable remains, analyze_trace's error names the skipped events).
+    Along the way the names of host operators and kernels are counted into
+    ``KinetoTrace.workload`` (WorkloadSignals). Everything else is dropped as
+    it is read.
     """
     stream = TraceEventStream(path)
     g_start, g_end, g_stream, g_corr = array("q"), array("q"), array("q"), array("q")
@@ -240,8 +290,14 @@ def read_kineto_trace(path: str | Path) -> KinetoTrace:
     steps: list[tuple[str, int]] = []
     stream_device: dict[int, int] = {}
     host_pid: int | None = None
-    category_of: dict[str, int] = {}
-    launch_calls = LAUNCH_CALLS
+    category_of: dict[tuple[str, str], int] = {}
+    is_device_cat: dict[Any, bool] = {}
+    signal_of: dict[str, str | None] = {}
+    workload = WorkloadSignals()
+    skipped: dict[str, int] = {}
+    skipped_example: Any = None
+    device_kind = "GPU"
+    launch_calls, host_syncs, host_op_cats = LAUNCH_CALLS, HOST_SYNC_CALLS, _HOST_OP_CATEGORIES
     numbers = (int, float)
     ceil, floor = math.ceil, math.floor
     try:
@@ -262,16 +318,33 @@ def read_kineto_trace(path: str | Path) -> KinetoTrace:
             name = ev.get("name")
             if name.__class__ is not str:
                 name = ""
-            gpu_stream = args.get("stream")
+            device_cat = is_device_cat.get(cat)
+            if device_cat is None:
+                device_cat = is_device_cat[cat] = cat.__class__ is str and cat.lower() in DEVICE_CATEGORIES
+                if device_cat and cat.lower() == MTIA_DEVICE_CATEGORY:
+                    device_kind = "MTIA"
             corr = args.get("correlation")
-            if gpu_stream is not None:
-                gpu_stream = _as_int(gpu_stream)
             if corr is not None:
                 corr = _as_int(corr)
-            if gpu_stream is not None and gpu_stream != -1:
-                category = category_of.get(name)
+            if device_cat:
+                gpu_stream = stream_id(args.get("stream"))
+                if gpu_stream is None:
+                    continue
+                if gpu_stream.__class__ is str:
+                    skipped[gpu_stream] = skipped.get(gpu_stream, 0) + 1
+                    if skipped_example is None:
+                        skipped_example = args.get("stream")
+                    continue
+                key = (name, cat)
+                category = category_of.get(key)
                 if category is None:
-                    category = category_of[name] = kernel_category(name)
+                    category = category_of[key] = kernel_category(name, cat)
+                    signal_of[name] = name_signal(name)
+                signal = signal_of[name]
+                if signal is not None:
+                    setattr(workload, signal, getattr(workload, signal) + 1)
+                if category == MEMORY and "Pageable" in name and "HtoD" in name:
+                    workload.pageable_copies += 1
                 g_start.append(start)
                 g_end.append(end)
                 g_stream.append(gpu_stream)
@@ -286,10 +359,20 @@ def read_kineto_trace(path: str | Path) -> KinetoTrace:
                 r_start.append(start)
                 r_end.append(end)
                 r_launch.append(name in launch_calls)
+                if name in host_syncs:
+                    workload.host_syncs += 1
                 if host_pid is None:
                     host_pid = _as_int(ev.get("pid"))
-            elif name.startswith("ProfilerStep") and PROFILER_STEP.match(name):
-                steps.append((name, start))
+            else:
+                if cat in host_op_cats:
+                    workload.host_ops += 1
+                    signal = signal_of.get(name, 0)
+                    if signal == 0:
+                        signal = signal_of[name] = name_signal(name)
+                    if signal is not None:
+                        setattr(workload, signal, getattr(workload, signal) + 1)
+                if name.startswith("ProfilerStep") and PROFILER_STEP.match(name):
+                    steps.append((name, start))
     except OverflowError:
         raise GpudiagError(f"{stream.path}: a timestamp, stream or correlation id does not fit in 64 bits") from None
     except (ValueError, TypeError) as exc:  # inf/NaN timestamps and the like
@@ -313,4 +396,8 @@ def read_kineto_trace(path: str | Path) -> KinetoTrace:
         stream_device=stream_device,
         host_pid=host_pid,
         metadata={**stream.metadata, "uncompressed_bytes": stream.bytes_read},
+        device_kind=device_kind,
+        workload=workload,
+        skipped=skipped,
+        skipped_example=skipped_example,
     )

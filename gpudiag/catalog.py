@@ -283,6 +283,9 @@ METRICS: tuple[Metric, ...] = (
        ("node", "pid", "process"), "cuda_api"),
     _m("host_oom_kills_total", COUNTER, "", "Host OOM kills seen.", ("node",), "node"),
     # --- Recorded artifacts: profiler (Kineto) traces, allocator snapshots --------
+    _m("trace_device_idle_ratio", GAUGE, "ratio",
+       "Fraction of a traced span with no activity on any stream of the device (HTA idle time per rank).", _P,
+       "process"),
     _m("trace_stream_idle_ratio", GAUGE, "ratio",
        "Fraction of a CUDA stream's traced span with no GPU activity (HTA idle time).", _P + ("stream",), "process"),
     _m("trace_stream_host_wait_ratio", GAUGE, "ratio",
@@ -291,7 +294,8 @@ METRICS: tuple[Metric, ...] = (
     _m("trace_stream_queue_empty_ratio", GAUGE, "ratio",
        "Fraction of a stream's traced span with no launched operation waiting to start.", _P + ("stream",), "process"),
     _m("trace_kernel_launch_delay_seconds", GAUGE, "seconds",
-       "Median time from the end of a launch call to the start of its GPU activity.", _P + ("stream",), "process"),
+       "Median time from the start of a launch call onto an idle stream to the start of its device activity "
+       "(HTA's kernel launch delay).", _P + ("stream",), "process"),
     _m("process_torch_external_fragmentation_ratio", GAUGE, "ratio",
        "1 - largest free block / free bytes in the caching allocator's segments.", _P, "process"),
     # --- Findings and the agent itself ------------------------------------------

@@ -59,8 +59,8 @@ def trace_command(
     file: Annotated[Path, typer.Argument(help="PyTorch profiler (Kineto) trace, .json or .json.gz.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.")] = False,
 ) -> None:
-    """Idle / compute / non-compute time per GPU stream, idle causes, queue length and launch delay."""
-    from gpudiag.analyzers.kineto import analyze_trace
+    """Idle / compute / non-compute time of the device and per stream, idle causes, queue length and launch delay."""
+    from gpudiag.analyzers.kineto import analyze_trace, skipped_text
     from gpudiag.analyzers.trace_reader import read_kineto_trace
 
     trace = read_kineto_trace(file)
@@ -71,32 +71,50 @@ def trace_command(
         _emit_json(doc)
         return
     console = Console()
-    overall = Table(title=f"GPU time in {file.name} (Holistic Trace Analysis definitions)")
-    for col in ("span", "idle", "compute", "non-compute", "profiler steps"):
+    device = "MTIA device" if doc["device_kind"] == "MTIA" else "GPU"
+    overall = Table(title=f"{device} time in {file.name} (Holistic Trace Analysis definitions)")
+    for col in ("span", "idle", "compute", "non-compute", "profiler steps", "workload"):
         overall.add_column(col, justify="right")
     steps = f"{doc['profiler_steps']}" + (" (last excluded)" if doc["last_step_excluded"] else "")
     overall.add_row(fmt_seconds(doc["span_s"]), _pct(doc["idle_pct"]), _pct(doc["compute_pct"]),
-                    _pct(doc["non_compute_pct"]), steps)
+                    _pct(doc["non_compute_pct"]), steps, doc["workload"]["kind"])
     console.print(overall)
-    time_table = Table(title="Per CUDA stream: time (host / kernel / other are shares of idle time)")
-    for col in ("stream", "idle", "compute", "non-compute", "host wait", "kernel wait", "other"):
+    time_table = Table(title="Per stream, sync records left out: time (host / kernel / other are shares of idle time)")
+    for col in ("stream", "role", "idle", "compute", "non-compute", "host wait", "kernel wait", "other"):
         time_table.add_column(col, justify="right")
-    queue_table = Table(title="Per CUDA stream: launch queue and launch delay")
-    for col in ("stream", "queue mean", "queue max", "queue empty", "delay p50", "delay p95"):
+    queue_table = Table(title="Per stream: launch queue and launch delay (launches onto an idle stream)")
+    for col in ("stream", "queue mean", "queue max", "queue empty", "delay p50", "delay p95", "queued"):
         queue_table.add_column(col, justify="right")
     for s in doc["streams"]:
         ib, q, d = s["idle_breakdown"], s["queue_length"], s["launch_delay"]
         name = f"{s['stream']}" + (" *" if s["stream"] == doc["busiest_stream"] else "")
-        time_table.add_row(name, _pct(s["idle_pct"]), _pct(s["compute_pct"]), _pct(s["non_compute_pct"]),
+        time_table.add_row(name, s["role"], _pct(s["idle_pct"]), _pct(s["compute_pct"]), _pct(s["non_compute_pct"]),
                            fmt_ratio(ib["host_wait_ratio"]), fmt_ratio(ib["kernel_wait_ratio"]),
                            fmt_ratio(ib["other_ratio"]))
         queue_table.add_row(name, "n/a" if q["mean"] is None else f"{q['mean']:.1f}",
                             "n/a" if q["max"] is None else f"{q['max']:.0f}",
-                            fmt_ratio(q["empty_time_ratio"]), fmt_seconds(d["p50_s"]), fmt_seconds(d["p95_s"]))
+                            fmt_ratio(q["empty_time_ratio"]), fmt_seconds(d["p50_s"]), fmt_seconds(d["p95_s"]),
+                            str(d["queued"]))
     console.print(time_table)
     console.print(queue_table)
-    console.print("* the busiest stream (most GPU activity time)")
+    console.print("* the compute stream (most compute time; a stream mostly running NCCL kernels never counts)")
+    skipped = skipped_text(doc["skipped_activities"], doc["skipped_example"])
+    if skipped:
+        console.print(skipped, markup=False)
     _print_findings(console, doc["findings"])
+    for f in doc["findings"]:
+        _print_trace_finding_details(console, f.get("details", {}))
+
+
+def _print_trace_finding_details(console: Console, details: dict) -> None:
+    """The workload, the evidence behind each fix and what was missing, under a trace finding."""
+    if details.get("workload"):
+        console.print(f"    workload: {details['workload']} ({'; '.join(details.get('workload_reasons', []))})",
+                      markup=False)
+    for fix, why in (details.get("fix_evidence") or {}).items():
+        console.print(f"    {fix}: {why}", markup=False)
+    if details.get("missing"):
+        console.print(f"    missing: {details['missing']}", markup=False)
 
 
 @analyze_app.command("snapshot")
