@@ -11,26 +11,15 @@ import json
 from pathlib import Path
 
 import pytest
+import real_corpus as rc
 
 from gpudiag.cli import main
 
-REPO = Path(__file__).resolve().parents[1]
-TRACES = REPO / ".." / "shared" / "data" / "real" / "traces"
-# HTA 0.6.1's idle / compute / non-compute (% of the span), from MANIFEST.md
-HTA_PCT = {
-    "critical_path_cuda_event_sync_event_sync_trace.json.gz": (78.71, 18.63, 2.66),
-    "critical_path_cuda_event_sync_multi_stream_event_sync_trace.json.gz": (98.08, 1.89, 0.03),
-    "nccl_parser_config_nccl_data.json.gz": (77.78, 17.26, 4.97),
-    "nccl_data_ncclDevKernel.json.gz": (77.78, 17.26, 4.97),
-    "mtia_inference_trace_mtia_inference_rank_0.json.gz": (4.34, 86.17, 9.49),
-    "triton_example_triton_example.json.gz": (0.0, 100.0, 0.0),
-    "amd_trace_mi250_minitoy_train_ROCm6_2_kineto.json.gz": (98.53, 1.08, 0.39),
-    "trace_diff_test_test.json.gz": (7.47, 68.31, 24.23),
-    "trace_filter_sampled_rank-1.json.gz": (54.72, 22.57, 22.72),
-    "df_index_resolver_df_index_resolver.json.gz": (46.08, 35.55, 18.37),
-    "trace_file_list_inference_rank_1.json.gz": (98.16, 1.84, 0.0),
-}
-CPU_ONLY = "cpu_only_rank-34.Jul_15_10_52_41.1074.pt.trace.json.gz"
+# HTA 0.6.1's idle / compute / non-compute (% of the span), from MANIFEST.md: one place, shared with
+# bench/bench_verdicts.py.
+TRACES = rc.real("traces")
+HTA_PCT = rc.HTA_FIGURES
+CPU_ONLY = rc.NO_GPU_TRACE
 TRAINING_FIXES = {"DataLoader num_workers > 0", "pin_memory=True with non_blocking copies",
                   "fewer host syncs (.item(), .cpu())", "CUDA graphs (torch.compile mode='reduce-overhead')"}
 
