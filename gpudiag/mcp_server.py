@@ -276,13 +276,19 @@ def trace_document(allowed: AllowedDirs, path: str) -> dict[str, Any]:
     return json_ready(doc)
 
 
-def snapshot_document(allowed: AllowedDirs, path: str) -> dict[str, Any]:
-    """The document of ``gpudiag analyze snapshot FILE --json``, read by the restricted unpickler."""
+def snapshot_document(allowed: AllowedDirs, path: str, device_total_gib: float | None = None) -> dict[str, Any]:
+    """The document of ``gpudiag analyze snapshot FILE [--device-total-gib G] --json``, read by the restricted
+    unpickler."""
     from gpudiag.analyzers.snapshot import fragmentation_report
     from gpudiag.safe_pickle import load_snapshot
 
+    total_bytes = None
+    if device_total_gib is not None:
+        if not math.isfinite(device_total_gib) or device_total_gib <= 0:
+            raise GpudiagError(f"device_total_gib must be a positive number of GiB, not {device_total_gib}")
+        total_bytes = int(device_total_gib * 2**30)
     real = allowed.resolve(path, "snapshot")
-    doc = fragmentation_report(load_snapshot(real)).to_dict()
+    doc = fragmentation_report(load_snapshot(real), device_total_bytes=total_bytes).to_dict()
     doc["file"] = real
     doc["html"] = None
     return json_ready(doc)
@@ -557,10 +563,14 @@ def build_server(allowed: AllowedDirs):
     def analyze_snapshot(
         path: Annotated[str, Field(description="A pickled torch.cuda.memory._snapshot(), inside an allowed "
                                    "directory; read without running any code it holds.")],
+        device_total_gib: Annotated[float | None, Field(
+            description="Each GPU's memory capacity in GiB, when the snapshot does not record it (torch's does "
+                        "not): stranded memory near capacity is judged only with it.")] = None,
     ) -> Result:
-        """Fragmentation of PyTorch's caching allocator: reserved, allocated, free and the largest free block per
-        GPU and per segment, with findings. The same document as `gpudiag analyze snapshot FILE --json`."""
-        return answer("analyze_snapshot", lambda: snapshot_document(allowed, path))
+        """PyTorch's caching allocator: stranded and releasable memory, holes and the largest free block per GPU
+        and per segment, what each OOM ran into, with findings. The same document as
+        `gpudiag analyze snapshot FILE [--device-total-gib G] --json`."""
+        return answer("analyze_snapshot", lambda: snapshot_document(allowed, path, device_total_gib))
 
     @tool("repro", title="Reproduce on the simulated GPU")
     def repro(

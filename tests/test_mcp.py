@@ -380,6 +380,7 @@ def test_over_stdio_each_tool_answers_with_the_document_of_its_command_s_json(wo
                 "runbook": ("runbook", {"name": "cpu_starved_gpu"}),
                 "analyze_trace": ("analyze_trace", {"path": trace}),
                 "analyze_snapshot": ("analyze_snapshot", {"path": snapshot}),
+                "analyze_snapshot_80gib": ("analyze_snapshot", {"path": snapshot, "device_total_gib": 80}),
                 "repro": ("repro", {"scenario": "cpu-starved", "fix": "preprocess-workers", "duration_s": 120}),
                 "top": ("top", {"sim": "healthy"}),
             }
@@ -400,6 +401,8 @@ def test_over_stdio_each_tool_answers_with_the_document_of_its_command_s_json(wo
     assert doc("analyze_trace") == cli_json("analyze", "trace", trace)
     assert doc("analyze_snapshot") == cli_json("analyze", "snapshot", snapshot)
     assert doc("analyze_snapshot")["largest_free_block_bytes"] == 12 * MIB
+    assert doc("analyze_snapshot_80gib") == cli_json("analyze", "snapshot", snapshot, "--device-total-gib", "80")
+    assert doc("analyze_snapshot_80gib")["devices"][0]["device_total_bytes"] == 80 * 2**30
     assert doc("repro") == cli_json("repro", "cpu-starved", "--fix", "preprocess-workers", "--duration", "120")
     assert "cpu-starved --fix preprocess-workers" in _text(got["repro"])
 
