@@ -63,8 +63,10 @@ The cause is classified, and the fixes follow it:
   storm to the fragmentation finding that precedes it on the same GPU;
 - unknown, when neither shows: the fragmentation fixes, as before.
 
-Evictions that make no storm, at a pool that filled (KV usage reached
-KV_FULL_RATIO), are an info finding: the engine at its capacity edge.
+Evictions that make no storm (a few in half an hour, each at a pool that
+filled for a moment) are the engine at its capacity edge: no finding. Its
+alert fires on a finding of this kind at any severity, info included, and an
+engine at its edge is no one's page; the runbook says how to move the edge.
 """
 
 from __future__ import annotations
@@ -148,8 +150,7 @@ KV_MANAGER_COLUMNS = (M.engine_kv_capacity_bytes, M.engine_kv_used_bytes, M.engi
 
 
 def analyze(window: Window) -> list[Finding]:
-    """Eviction storms per GPU (engine), with their evidence, cause and fixes; an info finding for an
-    engine that evicted at its capacity edge without a storm."""
+    """Eviction storms per GPU (engine), with their evidence, cause and fixes."""
     eng = window.rows("engine")
     if eng.empty:
         return []
@@ -166,21 +167,15 @@ def analyze(window: Window) -> list[Finding]:
             continue
         rate = windowed_rate(t, ev, RATE_WINDOW_S)
         spans = episodes(t, rate >= EVICTION_RATE_THRESHOLD, MERGE_GAP_S, MIN_DURATION_S)
+        if not spans:
+            continue
         view = _EngineView(key, e, t, ev, rate, evict_col)
-        storms = []
-        if spans:
-            tpots = _tpot_series(_request_tpot(req, key, e))
-            base_tpot = _tpot_outside(tpots, spans)
-            for detected, end in spans:
-                found = _storm(view, detected, float(end), tpots, base_tpot, gpu_df)
-                if found is not None:
-                    storms.append(found)
-        if storms:
-            findings.extend(storms)
-        else:
-            edge = _capacity_edge(view)
-            if edge is not None:
-                findings.append(edge)
+        tpots = _tpot_series(_request_tpot(req, key, e))
+        base_tpot = _tpot_outside(tpots, spans)
+        for detected, end in spans:
+            found = _storm(view, detected, float(end), tpots, base_tpot, gpu_df)
+            if found is not None:
+                findings.append(found)
     return findings
 
 
@@ -319,43 +314,6 @@ def _storm(v: _EngineView, detected: float, end: float, tpots, base_tpot, gpu_df
                  "requests_waiting_median": waiting_later, "generation_throughput_ratio": gen_ratio,
                  "cause": cause, "kv_paged": v.paged, "kv_offload": offload, "prefix_caching": prefix,
                  "prefix_cache_hit_ratio": hit, "missing": missing},
-    )
-
-
-def _capacity_edge(v: _EngineView) -> Finding | None:
-    """Evictions without a storm at a pool that filled: info, the engine at its capacity edge."""
-    t, ev = v.t, v.ev
-    moved = np.flatnonzero(np.diff(ev, prepend=ev[:1]) > 0)
-    if not moved.size:
-        return None
-    start, end = float(t[moved[0]]), float(t[moved[-1]])
-    near = (t >= start - RATE_WINDOW_S) & (t <= end)
-    kv_max = _nan_stat(np.nanmax, v.kv, near)
-    if kv_max is None or kv_max < KV_FULL_RATIO:
-        return None
-    n_ev = counter_increase(ev)
-    most = float(np.max(v.rate[near])) * RATE_WINDOW_S
-    waiting_max = _nan_stat(np.nanmax, v.waiting, near)
-    fill = _fill(v.e, near)
-    cause = _cause(v.paged, fill)
-    prefix, hit = _prefix_caching(v.e)
-    offload = _offload(v.e)
-    minutes = max(end - start, 0.0) / 60.0
-    queue = f", up to {waiting_max:.0f} requests waiting" if waiting_max is not None else ""
-    return Finding(
-        kind=KIND, severity=Severity.INFO, start_s=start, end_s=end, node=v.key.get("node"),
-        gpu=label_int(v.key.get("gpu")),
-        summary=(f"the engine at its KV capacity edge, not a storm: {n_ev:.0f} {v.what} in {minutes:.0f} min "
-                 f"(at most {most:.0f} in a minute), KV usage up to {kv_max:.0%}{queue}"
-                 + _cause_text(cause, v.paged, fill)),
-        evidence=[
-            Evidence("kv_evictions_per_second", float(np.max(v.rate[near])), 0.0, EVICTION_RATE_THRESHOLD, ""),
-            Evidence(M.kv_cache_usage_perc, kv_max, None, KV_FULL_RATIO, "ratio"),
-            Evidence(M.num_requests_waiting, waiting_max, None, None, ""),
-        ],
-        runbook=alert_name(KIND), fixes=_fixes(cause, prefix, hit, offload),
-        details={"evictions": n_ev, "verdict": "capacity_edge", "cause": cause, "kv_paged": v.paged,
-                 "kv_offload": offload, "prefix_caching": prefix, "prefix_cache_hit_ratio": hit},
     )
 
 

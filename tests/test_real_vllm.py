@@ -142,17 +142,15 @@ def test_the_calm_runs_raise_nothing_of_warning_level_and_no_storm_or_fragmentat
         assert investigate.exit_code(findings) == 0
 
 
-def test_a_handful_of_preemptions_is_the_capacity_edge_at_most_info(verdicts):
+def test_a_handful_of_preemptions_is_the_capacity_edge_not_a_storm(verdicts):
     handful = [node for node, (run, *_) in verdicts.items() if run.preemptions and node not in STORMS]
     assert len(handful) >= 20
     for node in handful:
         run, _, findings, doc = verdicts[node]
-        assert run.preemptions < 20
+        assert run.preemptions < 20 and run.kv_max_ratio >= 0.9997  # a few, each at a full cache
         assert doc["worst_severity"] in (None, "info"), (node, [f["summary"] for f in doc["findings"]])
-        assert "memory_fragmentation" not in _kinds(doc)
-        for f in _kinds(doc).get("kv_eviction_storm", []):
-            assert f["details"]["verdict"] == "capacity_edge" and "capacity edge" in f["summary"]
-            assert "paged-kv" not in f["fixes"]
+        assert not {"kv_eviction_storm", "memory_fragmentation"} & set(_kinds(doc)), node
+        assert investigate.exit_code(findings) == 0
 
 
 def test_the_largest_storm_is_found_by_the_command_line_with_its_exit_code(cli, fleet):
