@@ -104,8 +104,9 @@ _NOT_IN_WINDOW = (
     M.gpu_info, M.gpu_memory_utilization_ratio, M.gpu_memory_reserved_bytes, M.gpu_memory_clock_hertz,
     M.gpu_memory_clock_max_hertz, M.gpu_memory_temperature_celsius, M.gpu_pcie_tx_bytes_per_second,
     M.gpu_pcie_rx_bytes_per_second, M.gpu_performance_state,
-    # An engine's model and state labels, the node's own load, the CUDA API counts.
-    "model", "fingerprint", M.generation_tokens_total, M.engine_serving_state, M.engine_model_info,
+    # An engine's model and state labels, the node's own load, the CUDA API counts. (Generated
+    # tokens stay: kv_eviction_storm weighs the throughput a storm costs.)
+    "model", "fingerprint", M.engine_serving_state, M.engine_model_info,
     M.node_cpu_utilization_ratio, M.node_load1, M.node_memory_used_bytes, M.node_memory_total_bytes,
     M.node_swap_used_bytes, M.cuda_api_calls_total, M.cuda_api_bytes_total,
 )

@@ -13,6 +13,14 @@ A finding covers the seconds with such failures (merged when closer than
 MERGE_GAP_S) while external fragmentation is at least the threshold. Its
 summary and evidence tell one moment of it: the failure that missed by the
 most (failed size minus the largest hole).
+
+Without a failed allocation there is no finding, and without the failed
+request's size (engine_kv_failed_request_bytes) a failure cannot be told from
+a lack of memory: allocator OOMs alone make none. An engine that pages its KV
+(vLLM, and those speaking its dialect) reports no such size: its KV is
+fixed-size blocks of one pool allocated at start, nothing waits for a
+contiguous hole, and its evictions are demand over capacity
+(kv_eviction_storm says so).
 """
 
 from __future__ import annotations

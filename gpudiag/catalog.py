@@ -182,6 +182,14 @@ METRICS: tuple[Metric, ...] = (
     _m("generation_tokens_total", COUNTER, "", "Tokens generated.", _E, "engine", "vllm"),
     _m("prefix_cache_queries_total", COUNTER, "", "Prompt tokens looked up in the prefix cache.", _E, "engine", "vllm"),
     _m("prefix_cache_hits_total", COUNTER, "", "Prompt tokens found in the prefix cache.", _E, "engine", "vllm"),
+    # vLLM V1 exports these two always; they move only when a KV connector (CPU offload, a shared
+    # cache) answers lookups, so their increase is what shows that KV offload is on.
+    _m("external_prefix_cache_queries_total", COUNTER, "",
+       "Prompt tokens looked up through the KV connector (offloaded or shared KV).", _E, "engine", "vllm"),
+    _m("external_prefix_cache_hits_total", COUNTER, "",
+       "Prompt tokens the KV connector had (loaded back instead of prefilled).", _E, "engine", "vllm"),
+    _m("request_success_total", COUNTER, "", "Requests finished, by finish reason (stop, length, abort, ...).",
+       _E + ("finished_reason",), "engine", "vllm"),
     _m("time_to_first_token_seconds", HISTOGRAM, "seconds", "Time to first token.", _E, "request", "vllm"),
     _m("inter_token_latency_seconds", HISTOGRAM, "seconds",
        "Time per output token after the first (per request: (e2e - ttft) / (output tokens - 1)).",

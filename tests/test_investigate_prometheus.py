@@ -18,30 +18,22 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
-import yaml
+from prometheus_support import READY_S, backfill, free_port, get_json, start_prometheus, stop, wait
 
 from gpudiag import promql_source as P
 
-PROMETHEUS = "/usr/bin/prometheus"
-PROMTOOL = "/usr/bin/promtool"
 # Simulated seconds per wall second: the storm (simulated ~4080-4680 s) is over ~48 s after the start.
 SIM_SPEED = 100
 STORM_OVER_SIM_S = 4800.0
 # The agent's simulated engine is drained every 0.25 s: a faster scrape would only repeat samples.
 SCRAPE_INTERVAL = "250ms"
-READY_S = 30.0
 SIM_DEADLINE_S = 150.0
-STOP_GRACE_S = 10.0
 
 NODE = "gpu-node-7"
 SAMPLE_S = 5  # dcgm-exporter's and vLLM's series: one sample every 5 s, as a 5 s scrape gives
@@ -54,67 +46,12 @@ DCGM_DOWN = (2000, 2900)
 MIB = 1 << 20
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get_json(url: str):
-    with urllib.request.urlopen(url, timeout=5) as r:
-        return json.load(r)
-
-
-def _wait(what: str, deadline_s: float, probe, *procs: subprocess.Popen):
-    end = time.monotonic() + deadline_s
-    while True:
-        for p in procs:
-            if p.poll() is not None:
-                pytest.fail(f"{what}: {p.args[0]} exited with {p.returncode}")
-        try:
-            got = probe()
-        except (OSError, urllib.error.URLError, ValueError, KeyError, IndexError):
-            got = None
-        if got:
-            return got
-        if time.monotonic() > end:
-            pytest.fail(f"{what}: not within {deadline_s:g} s")
-        time.sleep(0.25)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(STOP_GRACE_S)
-
-
-def _start_prometheus(tmp: Path, scrape_configs: list, global_cfg: dict | None = None):
-    if not os.path.exists(PROMETHEUS):
-        pytest.fail(f"{PROMETHEUS} not found: install Debian's prometheus package "
-                    "(scripts/system-deps.d/20-prometheus.sh; CI runs it)")
-    port = _free_port()
-    (tmp / "prometheus.yml").write_text(yaml.safe_dump({"global": global_cfg or {},
-                                                        "scrape_configs": scrape_configs}))
-    log = open(tmp / "prometheus.log", "wb")
-    proc = subprocess.Popen([PROMETHEUS, f"--config.file={tmp / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={tmp / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
-                            stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    _wait("prometheus /-/ready", READY_S, lambda: urllib.request.urlopen(f"{url}/-/ready", timeout=2).status == 200,
-          proc)
-    return proc, url, log
-
-
 @pytest.fixture(scope="module")
 def sim_run(tmp_path_factory):
     """Prometheus scraping an agent in --sim kv-eviction-storm until the storm is over: (url, first, last)."""
     tmp = tmp_path_factory.mktemp("prom-sim")
-    agent_port = _free_port()
-    prom, url, prom_log = _start_prometheus(
+    agent_port = free_port()
+    prom, url, prom_log = start_prometheus(
         tmp, [{"job_name": "gpudiag", "static_configs": [{"targets": [f"127.0.0.1:{agent_port}"]}]}],
         {"scrape_interval": SCRAPE_INTERVAL, "scrape_timeout": SCRAPE_INTERVAL})
     agent_log = open(tmp / "agent.log", "wb")
@@ -127,16 +64,16 @@ def sim_run(tmp_path_factory):
             stdout=agent_log, stderr=subprocess.STDOUT)
 
         def sim_seconds():
-            result = _get_json(f"{url}/api/v1/query?query=gpudiag_agent_sim_seconds")["data"]["result"]
+            result = get_json(f"{url}/api/v1/query?query=gpudiag_agent_sim_seconds")["data"]["result"]
             return float(result[0]["value"][1]) >= STORM_OVER_SIM_S
 
-        _wait(f"simulated time {STORM_OVER_SIM_S:g} s in Prometheus", SIM_DEADLINE_S, sim_seconds, agent, prom)
-        _stop(agent)
+        wait(f"simulated time {STORM_OVER_SIM_S:g} s in Prometheus", SIM_DEADLINE_S, sim_seconds, agent, prom)
+        stop(agent)
         yield url, started, time.time()
     finally:
         if agent is not None:
-            _stop(agent)
-        _stop(prom)
+            stop(agent)
+        stop(prom)
         prom_log.close()
         agent_log.close()
 
@@ -256,17 +193,15 @@ def foreign(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("prom-foreign")
     t0 = (int(time.time()) - SPAN_S - 600) // 60 * 60
     (tmp / "series.om").write_text(_openmetrics(t0))
-    made = subprocess.run([PROMTOOL, "tsdb", "create-blocks-from", "openmetrics", "-q", str(tmp / "series.om"),
-                           str(tmp / "tsdb")], capture_output=True, text=True, timeout=120)
-    assert made.returncode == 0, made.stderr
-    prom, url, log = _start_prometheus(tmp, [])
+    backfill(tmp / "series.om", tmp / "tsdb")
+    prom, url, log = start_prometheus(tmp, [])
     try:
-        _wait("backfilled series queryable", READY_S,
-              lambda: _get_json(f"{url}/api/v1/query?query=DCGM_FI_DEV_GPU_TEMP&time={t0 + 600}")["data"]["result"],
+        wait("backfilled series queryable", READY_S,
+              lambda: get_json(f"{url}/api/v1/query?query=DCGM_FI_DEV_GPU_TEMP&time={t0 + 600}")["data"]["result"],
               prom)
         yield url, t0
     finally:
-        _stop(prom)
+        stop(prom)
         log.close()
 
 
@@ -397,7 +332,7 @@ def test_windows_and_urls_that_cannot_be_read_are_refused_before_any_query():
     (["--store", "x.db", "--step", "5s"], "--step applies to --prometheus only"),
 ])
 def test_an_unreachable_or_missing_source_gives_one_line_and_exit_2(cli, args, message):
-    port = _free_port()  # nothing listens there
+    port = free_port()  # nothing listens there
     p = cli("investigate", *[re.sub(r"\{port\}", str(port), a) for a in args])
     assert p.returncode == 2, p.stdout + p.stderr
     lines = p.stderr.strip().splitlines()

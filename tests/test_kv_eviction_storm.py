@@ -221,3 +221,154 @@ def test_priority_tiers_move_the_evictions_onto_the_batch_tier(storm, scenario_r
     assert after["vip"] == 0
     assert after["internal"] <= before["internal"] / 10
     assert after["batch"] > before["batch"]
+
+
+# --- vLLM's counters alone: no latency histograms, no recompute count ------------------------------
+# A vLLM engine as a Prometheus scrape gives it: preemptions, KV usage, queue and token counters.
+
+NODE = "vllm-node"
+MINUTE = 60
+
+
+def vllm_window(n, preempt_every=None, storm=(0, 0), kv=0.7, storm_kv=0.997, waiting=lambda t, s: 0.0,
+                gen_per_s=lambda t, s: 3000.0, **counters):
+    """``n`` seconds of one vLLM engine; in ``storm`` one preemption every ``preempt_every`` seconds at
+    ``storm_kv`` KV usage. ``waiting`` and ``gen_per_s`` take (t, in_storm); ``counters`` maps a column to
+    its per-second increase."""
+    from gpudiag.frames import Window
+
+    rows, preempted, generated, totals = [], 0.0, 0.0, dict.fromkeys(counters, 0.0)
+    for t in range(1, n + 1):
+        in_storm = storm[0] <= t < storm[1]
+        if in_storm and preempt_every and t % preempt_every == 0:
+            preempted += 1
+        generated += gen_per_s(t, in_storm)
+        for col, per_s in counters.items():
+            totals[col] += per_s
+        rows.append({"t": float(t), "node": NODE, "engine": "0", M.num_preemptions_total: preempted,
+                     M.kv_cache_usage_perc: storm_kv if in_storm else kv, M.num_requests_running: 200.0,
+                     M.num_requests_waiting: waiting(t, in_storm), M.generation_tokens_total: generated,
+                     **totals})
+    return Window.from_rows({"engine": rows}, start_s=1.0, end_s=float(n), node=NODE)
+
+
+def storms(window):
+    from gpudiag.analyzers import kv_eviction_storm
+
+    return [f for f in kv_eviction_storm.analyze(window) if f.kind == "kv_eviction_storm"]
+
+
+def growing_queue(t, in_storm):
+    return min(200.0, (t - 600) / 2) if in_storm else 0.0
+
+
+def test_a_preemption_storm_at_a_full_kv_cache_is_found_on_vllm_counters_alone_and_says_what_it_lacked():
+    from gpudiag.analyzers import kv_eviction_storm as S
+
+    # Thirty preemptions a minute for fifteen minutes at a KV cache 99.7 % full, the queue growing to 200,
+    # generation down a fifth: a storm, judged without any latency figure.
+    w = vllm_window(1800, preempt_every=2, storm=(600, 1500), waiting=growing_queue,
+                    gen_per_s=lambda t, s: 2400.0 if s and t >= 660 else 3000.0,
+                    **{M.prefix_cache_queries_total: 5000.0, M.prefix_cache_hits_total: 2500.0})
+    (f,) = storms(w)
+    assert f.severity.value == "warning"
+    # Rates look back a minute: the episode may start that far before its detection and end that far
+    # after the last preemption.
+    assert 600 - S.RATE_WINDOW_S <= f.start_s <= 600 and 1490 <= f.end_s <= 1500 + S.RATE_WINDOW_S
+    ev = {e.metric: e for e in f.evidence}
+    # 0.5 a second while it lasts; the minute each end of the episode dilutes the mean a little.
+    assert 0.8 * 0.5 <= ev["kv_evictions_per_second_mean"].observed <= 0.5
+    assert ev["kv_cache_usage_median_ratio"].observed == pytest.approx(0.997)
+    assert ev[M.num_requests_waiting].observed == 200 and ev[M.num_requests_waiting].baseline == 0
+    assert ev["generation_tokens_per_second"].observed == pytest.approx(2400)
+    assert ev["generation_tokens_per_second"].baseline == pytest.approx(3000)
+    # What it could not see is said, not silently read as fine.
+    assert ev["tpot_p99_seconds"].observed != ev["tpot_p99_seconds"].observed  # NaN: not measured
+    assert ev["recomputed_token_share"].observed is None
+    missing = " | ".join(f.details["missing"])
+    assert "decode latency not judged" in missing and "recomputed tokens" in missing
+    assert "decode latency not judged" in f.summary
+    # vLLM pages its KV: demand exceeded capacity, and paging is no fix.
+    assert f.details["cause"] == S.CAUSE_DEMAND and f.details["kv_paged"] is True
+    assert "not fragmentation" in f.summary
+    assert "paged-kv" not in f.fixes and "chunked-kv" not in f.fixes
+    assert f.fixes[:2] == ["max-num-seqs", "max-num-batched-tokens"]
+    assert f.fixes[-1] == "max-model-len"
+
+
+def test_throughput_halved_while_requests_wait_makes_the_storm_critical_and_an_empty_queue_does_not():
+    halved = lambda t, s: 1200.0 if s and t >= 660 else 3000.0  # noqa: E731
+    (f,) = storms(vllm_window(1800, preempt_every=2, storm=(600, 1500), waiting=growing_queue, gen_per_s=halved))
+    assert f.severity.value == "critical"
+    assert f.details["generation_throughput_ratio"] == pytest.approx(0.4, abs=0.05)
+    # The same fall with nobody waiting is demand going away, not harm.
+    (f,) = storms(vllm_window(1800, preempt_every=2, storm=(600, 1500), gen_per_s=halved))
+    assert f.severity.value == "warning"
+
+
+def test_a_handful_of_preemptions_at_a_full_cache_is_the_capacity_edge_not_a_storm():
+    # Twelve preemptions in a quarter of an hour, three within a minute every four minutes, the
+    # cache full throughout: the detection rate is reached again and again (one episode, its gaps
+    # merged), but a preemption a minute is an engine at its edge, not preemption as a steady state.
+    from gpudiag.analyzers import kv_eviction_storm as S
+    from gpudiag.analyzers.common import episodes, windowed_rate
+    from gpudiag.frames import Window
+
+    bursts = [b + k for b in (100, 340, 580, 820) for k in (0, 20, 40)]
+    rows = []
+    for t in range(1, 1801):
+        rows.append({"t": float(t), "node": NODE, "engine": "0",
+                     M.num_preemptions_total: float(sum(1 for p in bursts if p <= t)),
+                     M.kv_cache_usage_perc: 1.0, M.num_requests_waiting: 30.0,
+                     M.generation_tokens_total: 3000.0 * t})
+    t = np.array([r["t"] for r in rows])
+    rate = windowed_rate(t, np.array([r[M.num_preemptions_total] for r in rows]), S.RATE_WINDOW_S)
+    assert len(episodes(t, rate >= S.EVICTION_RATE_THRESHOLD, S.MERGE_GAP_S, S.MIN_DURATION_S)) == 1
+    w = Window.from_rows({"engine": rows}, start_s=1.0, end_s=1800.0, node=NODE)
+    assert storms(w) == []
+
+
+def test_no_preemption_is_no_finding_even_with_a_full_cache_and_a_queue():
+    w = vllm_window(1800, storm=(600, 1500), waiting=growing_queue)
+    assert storms(w) == []
+
+
+def test_sustained_preemptions_at_a_pool_that_is_not_full_make_no_storm_without_other_harm():
+    # Nothing measured says it hurts: no latency, no recompute, and KV usage far from the limit.
+    assert storms(vllm_window(1800, preempt_every=2, storm=(600, 1500), storm_kv=0.8)) == []
+
+
+def test_prefix_caching_comes_first_when_off_and_offload_is_not_offered_when_seen_on():
+    # No prefix-cache lookups: the engine does not share prompt prefixes; the KV connector answers
+    # lookups: KV offload is on already.
+    (f,) = storms(vllm_window(1800, preempt_every=2, storm=(600, 1500),
+                              **{M.external_prefix_cache_queries_total: 800.0}))
+    assert f.fixes[0] == "prefix-caching"
+    assert f.details["kv_offload"] == "on" and "kv-offload" not in f.fixes
+    # Without the connector's series, offload may or may not be on: offered, and said to be unknown.
+    (f,) = storms(vllm_window(1800, preempt_every=2, storm=(600, 1500),
+                              **{M.prefix_cache_queries_total: 5000.0, M.prefix_cache_hits_total: 100.0}))
+    assert f.details["kv_offload"] == "unknown" and "kv-offload" in f.fixes
+    assert any("KV offload" in m for m in f.details["missing"])
+    # Prefix caching on with a hit ratio of 2 %: offered after the capacity knobs.
+    assert f.details["prefix_cache_hit_ratio"] == pytest.approx(0.02)
+    assert f.fixes.index("prefix-caching") > f.fixes.index("max-num-seqs")
+
+
+def test_a_vllm_engines_gpu_has_no_fragmentation_finding_even_with_allocator_ooms():
+    from gpudiag.analyzers import memory_fragmentation
+    from gpudiag.frames import Window
+
+    GiB, MiB = 1 << 30, 1 << 20
+    n = 900
+    proc = [{"t": float(t), "node": NODE, "gpu": 0, "pid": 4100, "process": "python3",
+             M.process_torch_reserved_bytes: 40.0 * GiB, M.process_torch_allocated_bytes: 38.5 * GiB,
+             M.process_torch_largest_free_block_bytes: 256.0 * MiB,
+             M.process_torch_ooms_total: float(t // 100)} for t in range(1, n + 1)]
+    eng = [{"t": float(t), "node": NODE, "engine": "0", M.num_preemptions_total: float(t // 2),
+            M.kv_cache_usage_perc: 0.997} for t in range(1, n + 1)]
+    w = Window.from_rows({"process": proc, "engine": eng}, start_s=1.0, end_s=float(n), node=NODE)
+    assert memory_fragmentation.analyze(w) == []
+    # ... and the storm it does have is demand over capacity.
+    (f,) = storms(w)
+    assert f.details["cause"] == "demand_over_capacity" and "paged-kv" not in f.fixes
