@@ -526,8 +526,10 @@ class _Open:
 
     def document(self) -> dict[str, Any]:
         d = self.finding.to_dict()
+        # open: as the state says; the last analysis' own flag (still going at its window's end) is
+        # what kept it open, and a resolved finding is over whatever its last sighting said.
         d.update(id=self.id, start_s=self.start_s, end_s=self.end_s if self.resolved_at_s is not None else None,
-                 state="resolved" if self.resolved_at_s is not None else "open",
+                 open=self.resolved_at_s is None, state="resolved" if self.resolved_at_s is not None else "open",
                  opened_at_s=self.opened_at_s, resolved_at_s=self.resolved_at_s, last_evidence_s=self.end_s)
         return d
 

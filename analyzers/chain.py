@@ -1,14 +1,27 @@
 """The chain assembler: links findings on the same node and GPU into cause -> effect chains.
 
 A finding B is caused by A when the relation A -> B is declared in CAUSES,
-both are on the same node and GPU, and A started before B ended and ended no
-earlier than LINK_SLACK_S before B started. Roots (findings nothing else
-explains) come first, each followed by what it caused.
+both are on the same node and GPU, and:
+
+- A started no later than B: ``A.start_s <= B.start_s + step_s``, where
+  ``step_s`` is the window's sampling step (common.WindowClock; default
+  common.DEFAULT_STEP_S). A cause seen on a coarser series may be detected
+  up to one sample after its effect, never more: a cause that starts later
+  is not the cause, whatever the overlap;
+- A was still going when B started, or ended at most LINK_SLACK_S before:
+  ``A.end_s >= B.start_s - LINK_SLACK_S``. A cause's harm outlasts it (a
+  queue takes minutes to drain, rates look back), so an effect may start a
+  little after its cause ended.
+
+Roots (findings nothing else explains) come first, each followed by what it
+caused.
 """
 
 from __future__ import annotations
 
 from gpudiag.findings import Finding
+
+from .common import DEFAULT_STEP_S
 
 # Declared cause -> effect relations between finding kinds.
 CAUSES: dict[str, tuple[str, ...]] = {
@@ -24,12 +37,22 @@ CAUSES: dict[str, tuple[str, ...]] = {
     "throttling": ("latency_regression",),
     "hardware_errors": ("latency_regression", "throttling"),
 }
-# A cause may end a little before its effect is detected (rates look back).
+# A cause may end this long before its effect starts: its harm outlasts it (a queue drains for
+# minutes, the effect's rates look back over a minute or more).
 LINK_SLACK_S = 300.0
 
 
-def assemble(findings: list[Finding]) -> list[Finding]:
-    """Set ``caused_by`` from the declared relations and order the findings root cause first."""
+def may_cause(cause: Finding, effect: Finding, step_s: float = DEFAULT_STEP_S) -> bool:
+    """Whether ``cause`` may be linked as the cause of ``effect`` by time alone (the module's two rules)."""
+    return cause.start_s <= effect.start_s + step_s and cause.end_s >= effect.start_s - LINK_SLACK_S
+
+
+def assemble(findings: list[Finding], step_s: float = DEFAULT_STEP_S) -> list[Finding]:
+    """Set ``caused_by`` from the declared relations and order the findings root cause first.
+
+    ``step_s``: the window's sampling step (common.window_clock), how much later than its
+    effect a cause may be seen to start.
+    """
     ids = [f.id for f in findings]
     by_id = dict(zip(ids, findings))
     # Candidates meet only on the same node and GPU: pair within those groups, not all with all.
@@ -43,7 +66,7 @@ def assemble(findings: list[Finding]) -> list[Finding]:
                 cause = findings[c]
                 if c == e or effect.kind not in CAUSES.get(cause.kind, ()):
                     continue
-                if cause.start_s <= effect.end_s and cause.end_s >= effect.start_s - LINK_SLACK_S:
+                if may_cause(cause, effect, step_s):
                     if ids[c] not in effect.caused_by:
                         effect.caused_by.append(ids[c])
     by_time = sorted(range(len(findings)), key=lambda i: (findings[i].start_s, findings[i].kind))

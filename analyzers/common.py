@@ -8,12 +8,14 @@ table's shared codes instead of a groupby or a comparison per call.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from gpudiag.catalog import M
+from gpudiag.findings import Finding
 from gpudiag.frames import Column, DictColumn, LazyColumns, Rows, forward_fill, held_uniques, layout_groups
 
 if TYPE_CHECKING:
@@ -581,3 +583,97 @@ def engine_kv_of(p, pid, t: np.ndarray, allocated: np.ndarray, kv: EngineKV | No
     if np.nanmin(allocated - at) < 0:
         return None
     return at
+
+
+# --- the window's clock: where its data begins and ends, and how often it is sampled ---------------
+
+# Frame kinds sampled on a clock, a row per entity per tick: their spacing is the window's sample
+# step. Request rows come when requests finish and eBPF rows when calls happen, on no clock. The
+# process rows tick with the GPU's (NVML lists them together) and are many more: read only when
+# no other clocked kind is there.
+CLOCKED_KINDS = ("gpu", "engine", "node")
+# A window of one tick (or none) has no spacing to read: the agent's default sampling interval.
+DEFAULT_STEP_S = 1.0
+
+
+@dataclass(frozen=True)
+class KindSpan:
+    """The rows of one frame kind in a window: how many, and the first and last sample time."""
+
+    rows: int
+    first_s: float
+    last_s: float
+
+    @property
+    def seconds(self) -> float:
+        """The time the rows span (0 for a single sample)."""
+        return self.last_s - self.first_s
+
+
+@dataclass(frozen=True)
+class WindowClock:
+    """A window as its samples tell it: the first and last sample time, the sampling step, each kind's span.
+
+    ``step_s`` is the coarsest sampling interval among the clocked kinds (the median spacing of
+    each kind's sample times): an analyzer reading a series sampled that often sees a change up
+    to one step after it happened, so two findings' starts are only ordered beyond one step.
+    """
+
+    first_s: float
+    last_s: float
+    step_s: float
+    kinds: dict[str, KindSpan] = field(default_factory=dict)
+
+
+def window_clock(window) -> WindowClock:
+    """The :class:`WindowClock` of ``window``; an empty window's is its ``start_s`` and ``end_s``, DEFAULT_STEP_S."""
+    first, last = math.inf, -math.inf
+    steps: list[float] = []
+    kinds: dict[str, KindSpan] = {}
+    for kind in window.tables:
+        n = window.columns(kind).n
+        if not n:
+            continue
+        t = window.rows(kind)["t"].to_numpy(float)
+        lo, hi = float(t[0]), float(t[-1])  # a Table is sorted by t
+        if math.isnan(lo) or math.isnan(hi):
+            if np.isnan(t).all():
+                continue
+            lo, hi = float(np.nanmin(t)), float(np.nanmax(t))
+        kinds[kind] = KindSpan(n, lo, hi)
+        first, last = min(first, lo), max(last, hi)
+        if kind in CLOCKED_KINDS:
+            steps.append(sample_step_s(t))
+    if not steps and "process" in kinds:
+        steps.append(sample_step_s(window.rows("process")["t"].to_numpy(float)))
+    steps = [s for s in steps if s > 0]
+    if first > last:
+        return WindowClock(float(window.start_s), float(window.end_s), DEFAULT_STEP_S, kinds)
+    start = float(window.start_s)
+    if math.isfinite(start) and first < start <= last:
+        first = start  # rows before the window's start (a window cut from a wider table) are not its own
+    return WindowClock(first, last, max(steps) if steps else DEFAULT_STEP_S, kinds)
+
+
+def sample_step_s(t: np.ndarray) -> float:
+    """The median spacing of the distinct times of sorted ``t`` (0.0 when fewer than two)."""
+    gaps = np.diff(t)
+    gaps = gaps[gaps > 0]
+    return float(np.median(gaps)) if gaps.size else 0.0
+
+
+def clamp_to_window(findings: list[Finding], clock: WindowClock) -> list[Finding]:
+    """Keep every finding's span within the window's samples and flag those still going at its end.
+
+    An analyzer may report a span wider than its data: a bucket that runs past the last sample,
+    a start moved back by a rate's look-back beyond the first. A finding never starts before the
+    first sample nor ends after the last; one that ends within a step of the last sample is
+    ``open`` (the data ended, not the problem). The findings are changed in place and returned.
+    """
+    lo, hi = clock.first_s, clock.last_s
+    for f in findings:
+        start = min(max(f.start_s, lo), hi)
+        end = min(max(f.end_s, start), hi)
+        f.start_s, f.end_s = float(start), float(end)
+        f.open = bool(end >= hi - clock.step_s)
+    return findings

@@ -199,8 +199,10 @@ def main() -> int:
     if out_path:
         with open(out_path, "w") as f:
             json.dump(res, f, indent=1, default=str)
+    # investigate: nothing of warning level on a calm node; 3 says some analyzers could not judge the
+    # window (a few minutes of data, no eBPF), which a short run always leaves.
     ok = (res["requests_ok"] > 0 and res["agent_rc"] == 0 and res["engine_rc"] == 0
-          and res["investigate_rc"] == 0 and res["top_rc"] == 0)
+          and res["investigate_rc"] in (0, 3) and res["top_rc"] == 0)
     return 0 if ok else 1
 
 

@@ -4,6 +4,10 @@ A Finding has a stable ``kind``, a severity, a time span, the entity it is
 about, a one-line summary, evidence rows (metric, observed, baseline,
 threshold), ``caused_by`` links to upstream findings, the runbook to read and
 the fixes that ``gpudiag repro --fix`` understands.
+
+A finding's span lies within its window's samples: ``end_s`` is never after
+the last one. ``open`` says it was still going at the window's last sample,
+so ``end_s`` is where the data ends, not where the problem did.
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ class Finding:
     runbook: str = ""
     fixes: list[str] = field(default_factory=list)
     details: dict[str, Any] = field(default_factory=dict)
+    open: bool = False  # still going at the window's last sample: end_s is the data's end, not the problem's
 
     @property
     def id(self) -> str:
@@ -81,6 +86,7 @@ class Finding:
             "severity": self.severity.value,
             "start_s": _clean(self.start_s),
             "end_s": _clean(self.end_s),
+            "open": self.open,
             "node": self.node,
             "gpu": self.gpu,
             "pid": self.pid,

@@ -313,19 +313,42 @@ def next_steps(findings: list[Finding]) -> list[dict[str, Any]]:
     return list(out.values())
 
 
-def exit_code(findings: list[Finding]) -> int:
-    """1 when a finding is of warning level or above, else 0."""
+# Exit codes of ``gpudiag investigate``: what a script or an alert webhook can tell without parsing.
+EXIT_NOTHING_FOUND = 0  # nothing of warning level, and every analyzer could judge the window
+EXIT_FOUND = 1  # a warning or critical finding
+EXIT_BAD_INPUT = 2  # bad input (the CLI's GpudiagError)
+EXIT_INCONCLUSIVE = 3  # nothing of warning level, but some analyzers could not judge the window
+
+
+def exit_code(findings: list[Finding], coverage: dict[str, Any] | None = None) -> int:
+    """EXIT_FOUND when a finding is of warning level or above; else EXIT_INCONCLUSIVE when ``coverage``
+    (:func:`coverage`) says some analyzer could not run (an input missing, the window too short);
+    else EXIT_NOTHING_FOUND."""
     worst = worst_severity(findings)
-    return 1 if worst is not None and worst.rank >= Severity.WARNING.rank else 0
+    if worst is not None and worst.rank >= Severity.WARNING.rank:
+        return EXIT_FOUND
+    if coverage is not None and not coverage["conclusive"]:
+        return EXIT_INCONCLUSIVE
+    return EXIT_NOTHING_FOUND
 
 
-def document(window: Window, findings: list[Finding]) -> dict[str, Any]:
-    """The investigation document (``--json``; schema in the README)."""
+def coverage(window: Window) -> dict[str, Any]:
+    """What could be judged in the window (analyzers.registry.coverage): which analyzers ran on how much
+    data, which could not and why, which symptoms stayed unjudged."""
+    from gpudiag.analyzers.registry import coverage as registry_coverage
+
+    return registry_coverage(window)
+
+
+def document(window: Window, findings: list[Finding], covered: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The investigation document (``--json``; schema in the README). ``covered``: :func:`coverage`
+    of the window, when already known."""
     worst = worst_severity(findings)
     doc = {
         "window": {"start_s": window.start_s, "end_s": window.end_s, "node": window.node},
         "sources": list(window.sources),
         "gaps": gaps(window),
+        "coverage": covered if covered is not None else coverage(window),
         "worst_severity": None if worst is None else worst.value,
         "findings": [f.to_dict() for f in findings],
         "memory": memory(window, findings),
@@ -509,8 +532,9 @@ _ERROR_BOX_JS = ("window.addEventListener('error',function(e){var b=document.get
                  "if(b){b.hidden=false;b.textContent+='A chart could not be drawn: '+e.message+'\\n';}});")
 
 
-def html_report(window: Window, findings: list[Finding]) -> str:
-    """One self-contained HTML page: the four charts (plotly embedded once, no CDN) and the findings."""
+def html_report(window: Window, findings: list[Finding], covered: dict[str, Any] | None = None) -> str:
+    """One self-contained HTML page: the four charts (plotly embedded once, no CDN), the findings and
+    the coverage (``covered``: :func:`coverage` of the window, when already known)."""
     import html as H
 
     figures = [_memory_figure(window), _util_figure(window), _events_figure(window), _blocks_figure(window)]
@@ -527,10 +551,12 @@ def html_report(window: Window, findings: list[Finding]) -> str:
         parts.append(fig.to_html(full_html=False, include_plotlyjs=(i == 0), div_id=f"chart-{i}"))
     rows = "".join(
         f"<tr><td>{H.escape(f.severity.value)}</td><td>{H.escape(f.kind)}</td><td>{H.escape(_iso(f.start_s))}</td>"
-        f"<td>{H.escape(_iso(f.end_s))}</td><td>{H.escape(f.summary)}</td>"
+        f"<td>{'ongoing at the window&#39;s end' if f.open else H.escape(_iso(f.end_s))}</td>"
+        f"<td>{H.escape(f.summary)}</td>"
         f"<td>{H.escape(', '.join(f.caused_by))}</td></tr>" for f in findings) \
         or "<tr><td colspan=6>no findings</td></tr>"
     missing = "".join(f"<li>{H.escape(g['check'])}: {H.escape(g['reason'])}</li>" for g in gaps(window))
+    covered = coverage(window) if covered is None else covered
     title = f"gpudiag investigate {_iso(window.start_s)} to {_iso(window.end_s)}"
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{H.escape(title)}</title>"
             "<style>body{font-family:sans-serif;margin:1em}td,th{padding:2px 8px;text-align:left}"
@@ -541,14 +567,45 @@ def html_report(window: Window, findings: list[Finding]) -> str:
             "<table><tr><th>severity</th><th>kind</th><th>start</th>"
             f"<th>end</th><th>summary</th><th>caused by</th></tr>{rows}</table>"
             + (f"<h3>Could not be checked</h3><ul>{missing}</ul>" if missing else "")
+            + coverage_html(covered, bool(findings))
             + "".join(parts) + "</body></html>")
 
 
-def write_html(path: str, window: Window, findings: list[Finding]) -> None:
+def coverage_verdict(covered: dict[str, Any], found: bool) -> str:
+    """One line: what the coverage makes of the window (with the findings, or with nothing found)."""
+    ran, total = len(covered["ran"]), len(covered["ran"]) + len(covered["not_run"])
+    if covered["conclusive"]:
+        return (f"all {total} analyzers judged this window" if found
+                else f"nothing wrong in what could be checked: all {total} analyzers judged this window")
+    if found:
+        return f"{ran} of {total} analyzers judged this window; the others could not (see coverage)"
+    return (f"inconclusive: nothing found by the {ran} of {total} analyzers that could judge this window; "
+            f"{total - ran} could not (see coverage)")
+
+
+def coverage_html(covered: dict[str, Any], found: bool) -> str:
+    """The report's coverage section: the verdict, each analyzer that ran or did not (and why), unjudged symptoms."""
+    import html as H
+
+    from gpudiag.units import fmt_seconds
+
+    rows = "".join(
+        f"<tr><td>{H.escape(r['analyzer'])}</td><td>ran</td><td>"
+        + H.escape("; ".join(f"{i['column']} ({i['kind']}: {i['rows']} rows, {fmt_seconds(i['seconds'])})"
+                             for i in r["inputs"])) + "</td></tr>" for r in covered["ran"])
+    rows += "".join(f"<tr><td>{H.escape(r['analyzer'])}</td><td>did not run</td><td>{H.escape(r['detail'])}</td></tr>"
+                    for r in covered["not_run"])
+    unjudged = "".join(f"<li>{H.escape(u['symptom'])}: {H.escape(u['detail'])}</li>" for u in covered["unjudged"])
+    return (f"<h3 id='coverage'>Coverage</h3><p>{H.escape(coverage_verdict(covered, found))}</p>"
+            f"<table><tr><th>analyzer</th><th>status</th><th>inputs, or why not</th></tr>{rows}</table>"
+            + (f"<h4>Symptoms left unjudged</h4><ul>{unjudged}</ul>" if unjudged else ""))
+
+
+def write_html(path: str, window: Window, findings: list[Finding], covered: dict[str, Any] | None = None) -> None:
     """Write :func:`html_report` to ``path`` (GpudiagError when it cannot be written)."""
     try:
         with open(path, "w", encoding="utf-8") as fh:
-            fh.write(html_report(window, findings))
+            fh.write(html_report(window, findings, covered))
     except OSError as exc:
         raise GpudiagError(f"cannot write the HTML report to {path}: {exc.strerror}") from None
 

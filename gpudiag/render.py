@@ -29,7 +29,8 @@ def findings_panel(findings: list[Finding], title: str = "Findings", scenario=No
         head.append(f"[{f.severity.value}] ", style=_STYLE[f.severity.value])
         head.append(f"{f.kind}", style="bold")
         gpu = "" if f.gpu is None else f" gpu {f.gpu}"
-        head.append(f"{gpu}  {fmt_seconds(f.start_s)} → {fmt_seconds(f.end_s)}\n")
+        end = "ongoing at the run's end" if f.open else fmt_seconds(f.end_s)
+        head.append(f"{gpu}  {fmt_seconds(f.start_s)} → {end}\n")
         head.append("  " * depth + "   " + f.summary)
         if f.caused_by:
             head.append("\n" + "  " * depth + "   caused by: " + ", ".join(f.caused_by), style="dim")

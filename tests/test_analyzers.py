@@ -1,5 +1,7 @@
 """The analyzers on windows of 1 s rows shaped like the incidents of SCENARIOS.md, and on healthy ones."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -755,6 +757,74 @@ def test_a_p99_made_by_one_or_two_slow_requests_is_no_regression(slow, found):
 
 def test_steady_latency_is_no_regression():
     assert latency_regression.analyze(window(request=request_rows(HOUR))) == []
+
+
+def test_a_regression_starts_when_its_bucket_showed_its_tail_not_at_the_buckets_edge():
+    # The baseline ends at 900 s; buckets start there every 300 s. TPOT quadruples from 1370 s,
+    # in the last 130 s of the bucket [1200, 1500).
+    f = only(latency_regression.analyze(window(request=request_rows(HOUR, slow_from=1370, factor=4.0))),
+             "latency_regression")
+    assert 1370 <= f.start_s <= 1371
+
+
+def test_a_window_that_starts_unhealthy_is_judged_against_the_slo_not_its_own_slow_start():
+    # TTFT around 40 s from the first second (a queue that never drains): its first quarter is no
+    # healthy baseline, and "twice 40 s" would hide it. TPOT is healthy and steady.
+    rows = request_rows(1800)
+    for r in rows:
+        r[M.time_to_first_token_seconds] *= 500
+    f = only(latency_regression.analyze(window(request=rows)), "latency_regression")
+    assert f.details["metrics"] == [M.time_to_first_token_seconds]
+    assert f.details["baseline_source"] == {M.time_to_first_token_seconds: "slo"}
+    assert f.details["no_healthy_baseline"] is True and f.details["pattern"] is None
+    # An SLO is not handed back as a measured baseline; TPOT's healthy one is, and e2e (which holds
+    # the unhealthy TTFT) has none.
+    assert set(f.details["baseline"]) == {M.inter_token_latency_seconds}
+    ev = evidence(f)["time_to_first_token_p99_seconds"]
+    assert ev.baseline is None and ev.threshold == latency_regression.TTFT_SLO_P99_S
+    assert "SLO" in f.summary and "no healthy baseline" in f.summary and " vs " not in f.summary
+    # Judged from the window's start: the unhealthy stretch is part of the problem.
+    assert f.start_s < 0.25 * 1800 and f.severity is Severity.CRITICAL
+
+
+def test_a_slow_but_steady_window_within_its_slo_is_no_regression():
+    rows = request_rows(1800)
+    for r in rows:
+        r[M.time_to_first_token_seconds] *= 10  # about 0.8 s: slower than usual, within the 2 s SLO
+    assert latency_regression.analyze(window(request=rows)) == []
+
+
+def test_a_healthy_baseline_is_within_its_slo():
+    rows = request_rows(HOUR, slow_from=2400, factor=4.0)
+    f = only(latency_regression.analyze(window(request=rows)), "latency_regression")
+    assert f.details["baseline_source"][M.inter_token_latency_seconds] == "window"
+    base = evidence(f)["inter_token_latency_p99_seconds"].baseline
+    assert base <= latency_regression.TPOT_SLO_P99_S and f.details["no_healthy_baseline"] is False
+
+
+def test_cpu_starved_reports_no_regression_against_its_unhealthy_start(cli):
+    # The starved engine's TTFT P99 is already 1m33s in its first 2m30s: never a baseline.
+    out = cli("repro", "cpu-starved", "--json")
+    assert out.returncode in (0, 1), out.stderr
+    doc = json.loads(out.stdout)
+    (lat,) = [f for f in doc["findings"] if f["kind"] == "latency_regression"]
+    assert lat["details"]["no_healthy_baseline"] is True
+    assert set(lat["details"]["baseline_source"].values()) == {"slo"}
+    assert "vs 1m33s" not in lat["summary"] and "no healthy baseline" in lat["summary"]
+    assert all(e["baseline"] is None for e in lat["evidence"])
+    assert any(c.startswith("cpu_starved_gpu-") for c in lat["caused_by"])
+
+
+def test_the_healthy_scenarios_baseline_is_healthy_and_nothing_regresses():
+    from gpudiag import repro
+    from gpudiag.reference_engine import scenarios
+
+    w = repro.run(scenarios.get("healthy"), None, 0).window
+    req = w.table("request")
+    first = req[req["t"] < req["t"].min() + latency_regression.BASELINE_SHARE * (req["t"].max() - req["t"].min())]
+    for metric, slo in latency_regression.SLO_P99_S.items():
+        assert np.percentile(first[metric], 99) <= slo, metric
+    assert latency_regression.analyze(w) == []
 
 
 def test_latency_regression_reads_vllm_histogram_summaries_without_request_rows():

@@ -52,7 +52,7 @@ def test_the_node_benchmark_serves_on_the_cpu_and_the_agent_exports_the_engines_
     assert res["series"][CATALOG[M.process_torch_allocated_bytes].name]
     assert res["series"][CATALOG[M.engine_batch_size].name]
     assert res["agent_rc"] == 0 and res["engine_rc"] == 0 and res["engine_log_tracebacks"] == 0
-    assert res["investigate_rc"] == 0 and res["top_rc"] == 0
+    assert res["investigate_rc"] in (0, 3) and res["top_rc"] == 0  # nothing of warning level; 3: inconclusive
 
 
 @pytest.mark.parametrize("busy,message", [("engine", "the engine did not come up"),

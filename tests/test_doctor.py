@@ -47,6 +47,31 @@ def test_asking_for_nvml_on_a_node_without_a_driver_fails_with_the_fix(cli):
     assert "libnvidia-ml.so.1" in nvml["detail"] and "install the NVIDIA driver" in nvml["fix"]
 
 
+def test_a_node_without_a_driver_is_told_so_first_with_what_still_works_and_exits_1(cli):
+    result = json.loads(cli("doctor", "--json").stdout)
+    if result["driver"]["present"]:
+        pytest.skip("this node has a working NVIDIA driver")
+    proc = cli("doctor", env={**os.environ, "COLUMNS": "200"})
+    assert proc.returncode == 1 and result["ok"] is False and "nvml" in result["features"]
+    nvml = _by_name(result)[("nvml", "NVML")]
+    assert nvml["status"] == "missing" and nvml["required"] and "install the NVIDIA driver" in nvml["fix"]
+    assert result["without_driver"] == list(doctor.WITHOUT_DRIVER)
+    lines = proc.stdout.splitlines()
+    assert lines[1].startswith("no NVIDIA driver on this node")  # said first, under the heading
+    assert any("gpudiag repro" in line for line in lines) and any("analyze trace" in line for line in lines)
+    assert "everything needed is present" not in proc.stdout
+    assert lines[-1] == "something needed is missing or wrong (see fix)"
+
+
+def test_features_that_do_without_a_driver_pass_but_do_not_claim_the_node_is_ready(monkeypatch):
+    monkeypatch.setattr(doctor, "nvml_facts", lambda: {"available": False, "reason": "no libnvidia-ml.so.1"})
+    node = run_checks()
+    assert node["ok"] is False and node["features"][0] == "nvml" and node["driver"]["present"] is False
+    asked = run_checks(["torch"])
+    assert asked["features"] == ["torch"] and asked["driver"] == {"present": False, "detail": "no libnvidia-ml.so.1"}
+    assert [c["required"] for c in asked["checks"] if c["name"] == "NVML"] == [False]
+
+
 def test_the_text_report_shows_each_fix(cli):
     proc = cli("doctor", "--feature", "cuda")
     assert proc.returncode in (0, 1)

@@ -10,10 +10,13 @@ import math
 import os
 import re
 
+import numpy as np
 import pytest
 
 from gpudiag import repro as R
 from gpudiag.agent.store import Store
+from gpudiag.analyzers import latency_regression, oom_forecast
+from gpudiag.analyzers.registry import ANALYZERS
 from gpudiag.catalog import M
 from gpudiag.frames import Frame
 from gpudiag.investigate import CHART_TITLES, parse_duration, parse_time
@@ -57,10 +60,18 @@ def test_an_eviction_storm_is_traced_back_to_fragmentation_and_exits_1(cli, stor
     assert kinds[0] == "memory_fragmentation", kinds
     storm = next(f for f in doc["findings"] if f["kind"] == "kv_eviction_storm")
     assert any(c.startswith("memory_fragmentation-") for c in storm["caused_by"])
+    by_id = {f["id"]: f for f in doc["findings"]}
     for f in doc["findings"]:  # the finding schema of `gpudiag repro`
-        assert set(f) >= {"id", "kind", "severity", "start_s", "end_s", "node", "gpu", "pid", "summary",
+        assert set(f) >= {"id", "kind", "severity", "start_s", "end_s", "open", "node", "gpu", "pid", "summary",
                           "evidence", "caused_by", "runbook", "fixes"}
         assert all(set(e) == {"metric", "observed", "baseline", "threshold", "unit"} for e in f["evidence"])
+        # Causes precede effects (within the store's 1 s step), and no finding outlives the data.
+        assert all(by_id[c]["start_s"] <= f["start_s"] + 1.0 for c in f["caused_by"]), f["id"]
+        assert f["end_s"] <= T0 + 7200
+    # The first storm (from 3057 s) began before any allocation failed with memory free (3390 s):
+    # only the second is the fragmentation's.
+    storms = sorted((f for f in doc["findings"] if f["kind"] == "kv_eviction_storm"), key=lambda f: f["start_s"])
+    assert [bool(f["caused_by"]) for f in storms] == [False, True]
     # The simulated engine reports all three colours; eBPF is not used with --sim.
     implicated = [m for m in doc["memory"] if m["implicated"]]
     assert implicated and implicated[0]["pid"] == storm_findings_pid(doc)
@@ -98,14 +109,111 @@ def test_the_report_names_the_chain_the_runbook_and_writes_a_self_contained_html
     assert "Plotly.newPlot" in text and len(text) > 3_000_000  # plotly.js (~3.5 MB) is inline
     for title in CHART_TITLES:
         assert title in text
+    # The coverage section: every analyzer with what it ran on, or why it did not run.
+    coverage = text[text.index("id='coverage'"):]
+    assert "did not run" in coverage and "cuda_function_grid_blocks" in coverage
+    assert "kv_eviction_storm</td><td>ran" in coverage
+    assert "Coverage:" in out
 
 
-def test_a_healthy_window_exits_0(cli, storm_store):
+def test_a_healthy_window_with_views_missing_is_inconclusive_and_exits_3(cli, storm_store):
     p = cli(*_window(storm_store, 0, HEALTHY_END_S), "--json")
-    assert p.returncode == 0, p.stderr + p.stdout
+    assert p.returncode == 3, p.stderr + p.stdout
     doc = json.loads(p.stdout)
     assert doc["findings"] == [] and doc["worst_severity"] is None
     assert [m["implicated"] for m in doc["memory"]] == [False]
+    cov = doc["coverage"]
+    assert cov["conclusive"] is False
+    not_run = {r["analyzer"]: r for r in cov["not_run"]}
+    # No eBPF with --sim: the launch shapes could not be looked at, and the report names the columns.
+    assert not_run["degenerate_kernel_launch"]["reason"] == "missing_input"
+    assert "cuda_function_grid_blocks" in not_run["degenerate_kernel_launch"]["detail"]
+    assert "kernel launch shapes" in {u["symptom"] for u in cov["unjudged"]}
+    ran = {r["analyzer"]: r for r in cov["ran"]}
+    assert set(ran) | set(not_run) == set(ANALYZERS)
+    storm_input = ran["kv_eviction_storm"]["inputs"][0]
+    assert storm_input["kind"] == "engine" and storm_input["rows"] == storm_input["seconds"] + 1 >= HEALTHY_END_S
+    text = cli(*_window(storm_store, 0, HEALTHY_END_S), env={**os.environ, "COLUMNS": "200"})
+    assert text.returncode == 3
+    assert "inconclusive: nothing found" in text.stdout and "did not run  degenerate_kernel_launch" in text.stdout
+
+
+def test_a_window_too_short_for_a_trend_names_the_trend_analyzers_as_too_short(cli, storm_store):
+    p = cli(*_window(storm_store, 0, 300), "--json")
+    assert p.returncode == 3, p.stderr
+    not_run = {r["analyzer"]: r for r in json.loads(p.stdout)["coverage"]["not_run"]}
+    for kind in ("memory_leak", "oom_forecast", "latency_regression"):
+        assert not_run[kind]["reason"] == "too_short", kind
+    leak = not_run["memory_leak"]
+    assert leak["needs_s"] == oom_forecast.MIN_TREND_SPAN_S and leak["held_s"] == 299  # samples 1..300 s
+    assert "oom_forecast.MIN_TREND_SPAN_S" in leak["detail"]
+    assert not_run["latency_regression"]["needs_s"] == latency_regression.MIN_SPAN_S
+
+
+def test_a_finding_still_going_at_the_windows_end_is_open_and_ends_with_the_data(cli, storm_store):
+    # The first storm runs from 3057 s to 3524 s: a window ending at 3500 s cuts it.
+    p = cli(*_window(storm_store, 0, 3500), "--json")
+    doc = json.loads(p.stdout)
+    storm = next(f for f in doc["findings"] if f["kind"] == "kv_eviction_storm")
+    assert storm["open"] is True and storm["end_s"] == T0 + 3500
+    assert all(f["end_s"] <= T0 + 3500 for f in doc["findings"])
+    text = cli(*_window(storm_store, 0, 3500), env={**os.environ, "COLUMNS": "200"}).stdout
+    line = next(x for x in text.splitlines() if "kv_eviction_storm" in x and "→" in x)
+    assert line.rstrip(" │").endswith("→ ongoing at the window's end")
+
+
+def _healthy_node_with_every_view(path: str, seconds: int = 900) -> None:
+    """A store of a calm serving node seen through every view gpudiag reads: NVML, the allocator, the
+    engine with its request rows, the host, eBPF."""
+    rng = np.random.default_rng(0)
+    store = Store.open(path)
+    node, pid = "n1", 4242
+    for s in range(seconds + 1):
+        t = T0 + s
+        requests = [{"node": node, "gpu": 0, "engine": "e",
+                     M.time_to_first_token_seconds: ttft, M.inter_token_latency_seconds: tpot,
+                     M.e2e_request_latency_seconds: ttft + 200 * tpot}
+                    for ttft, tpot in zip(rng.lognormal(np.log(0.1), 0.2, 2), rng.lognormal(np.log(0.03), 0.1, 2))]
+        store.append([
+            Frame("gpu", t, [{"node": node, "gpu": 0, M.gpu_utilization_ratio: 0.7, M.gpu_memory_total_bytes: 80e9,
+                              M.gpu_memory_used_bytes: 50e9, M.gpu_temperature_celsius: 60.0,
+                              M.gpu_pcie_replay_total: 0}]),
+            Frame("node", t, [{"node": node, M.node_cpu_utilization_ratio: 0.3}]),
+            Frame("process", t, [{"node": node, "gpu": 0, "pid": pid, "process": "e", M.process_gpu_memory_bytes: 49e9,
+                                  M.process_torch_reserved_bytes: 48e9, M.process_torch_allocated_bytes: 40e9,
+                                  M.process_torch_largest_free_block_bytes: 6e9, M.process_thread_cpu_max_ratio: 0.3}]),
+            Frame("engine", t, [{"node": node, "gpu": 0, "engine": "e", "pid": pid, M.num_requests_running: 20,
+                                 M.num_requests_waiting: 0, M.engine_kv_capacity_bytes: 30e9,
+                                 M.engine_kv_evictions_total: 0, M.engine_kv_alloc_failures_total: 0,
+                                 M.engine_kv_failed_request_bytes: 0, M.engine_requests_timed_out_total: 0,
+                                 M.engine_restarts_total: 0, M.engine_prefix_cache_recomputed_tokens_total: 0,
+                                 M.prefix_cache_queries_total: 100 * s, M.engine_requests_arrived_total: 2 * s}]),
+            Frame("request", t, requests),
+            Frame("cuda_api", t, [{"node": node, "pid": pid, M.cuda_degenerate_launches_total: 0,
+                                   M.cuda_kernel_launches_total: 1000 * s}]),
+        ])
+        store.flush()
+    store.close()
+
+
+def test_nothing_wrong_in_what_could_be_checked_exits_0(cli, tmp_path):
+    path = str(tmp_path / "calm.db")
+    _healthy_node_with_every_view(path)
+    p = cli("investigate", "--store", path, "--since", "15m", "--json")
+    doc = json.loads(p.stdout)
+    assert p.returncode == 0, (p.stderr, doc["findings"], doc["coverage"]["not_run"])
+    assert doc["findings"] == [] and doc["coverage"]["conclusive"] is True
+    assert {r["analyzer"] for r in doc["coverage"]["ran"]} == set(ANALYZERS)
+    assert doc["coverage"]["unjudged"] == []
+    text = cli("investigate", "--store", path, "--since", "15m", env={**os.environ, "COLUMNS": "200"})
+    assert text.returncode == 0 and "nothing wrong in what could be checked" in text.stdout
+
+
+def test_the_help_documents_every_exit_code(cli):
+    out = cli("investigate", "--help", env={**os.environ, "COLUMNS": "200"}).stdout
+    for code, meaning in ((0, "nothing of warning level found"), (1, "a warning or critical finding"),
+                          (2, "bad input"), (3, "inconclusive")):
+        assert re.search(rf"\b{code}\b[^.;]*{meaning}", " ".join(out.split())), (code, out)
 
 
 def test_a_reader_that_stops_early_gets_no_traceback_and_the_exit_code_still_says_what_was_found(storm_store):
@@ -118,14 +226,14 @@ def test_a_reader_that_stops_early_gets_no_traceback_and_the_exit_code_still_say
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     p.stdout.close()  # before a byte is written: the document's final flush meets a closed pipe
     err = p.stderr.read().decode()
-    assert p.wait(timeout=600) in (0, 1) and "Traceback" not in err, err
+    assert p.wait(timeout=600) in (0, 1, 3) and "Traceback" not in err, err
     whole = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert whole.returncode == 1 and json.loads(whole.stdout)["worst_severity"] == "critical", whole.stderr
 
 
 def test_since_counts_back_from_the_stores_latest_sample(cli, storm_store):
     p = cli("investigate", "--store", storm_store, "--since", "30m", "--json")
-    assert p.returncode in (0, 1), p.stderr
+    assert p.returncode in (0, 1, 3), p.stderr
     w = json.loads(p.stdout)["window"]
     assert w["end_s"] == pytest.approx(T0 + 7199.0, abs=1.0)
     assert w["end_s"] - w["start_s"] == pytest.approx(1800.0)
@@ -204,7 +312,7 @@ def test_one_gpu_of_a_node_shows_only_its_processes_with_their_last_observed_col
         store.flush()
     store.close()
     p = cli("investigate", "--store", path, "--since", "5m", "--gpu", "1", "--json")
-    assert p.returncode in (0, 1), p.stderr
+    assert p.returncode == 3, p.stderr  # nothing found, no engine rows: inconclusive
     memory = {m["pid"]: m for m in json.loads(p.stdout)["memory"]}
     assert set(memory) == {100, 101} and {m["gpu"] for m in memory.values()} == {1}
     assert memory[100]["white_bytes"] == 1e9 + 299 and memory[100]["black_bytes"] == 3e9 + 299

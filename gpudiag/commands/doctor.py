@@ -9,9 +9,12 @@ not ok; ``required`` says whether the feature works without it.
 Features: ``nvml`` (GPU counters, per-process memory, PID mapping), ``cuda``
 (driver's CUDA version against every CUDA runtime found), ``torch`` (the
 in-process reporter), ``ebpf`` (the CUDA API probes). By default the features
-the node has are checked; the exit code is 0 when every required check of
-the chosen features is ok, 1 otherwise. With the agent's ``--config``, the
-eBPF checks follow its ``probes.ebpf``: left out when off, optional when auto.
+the node has are checked, and always ``nvml``: the NVIDIA driver is what
+gpudiag watches GPUs through, so a node without one lacks a required piece,
+said first, with what still works without it (WITHOUT_DRIVER). The exit code
+is 0 when every required check of the chosen features is ok, 1 otherwise.
+With the agent's ``--config``, the eBPF checks follow its ``probes.ebpf``:
+left out when off, optional when auto.
 """
 
 from __future__ import annotations
@@ -35,6 +38,13 @@ from gpudiag.errors import GpudiagError
 
 OK, MISSING, WRONG = "ok", "missing", "wrong"
 FEATURES = ("nvml", "cuda", "torch", "ebpf")
+# What gpudiag still does on a node without an NVIDIA driver: nothing of it reads a GPU of this node.
+WITHOUT_DRIVER = (
+    "gpudiag repro and agent --sim: incidents on the simulated GPU",
+    "gpudiag analyze trace / snapshot: profiler traces and allocator snapshots recorded elsewhere",
+    "gpudiag investigate --prometheus URL or --store PATH: telemetry of other nodes",
+    "gpudiag engine serve --device cpu, and scraping a serving engine's /metrics",
+)
 
 # Pip wheels that carry a CUDA runtime (cu11/cu12 suffixes before CUDA 13, none after).
 _RUNTIME_WHEEL = re.compile(r"^nvidia[-_]cuda[-_]runtime([-_]cu\d+)?$", re.IGNORECASE)
@@ -303,10 +313,11 @@ def ebpf_checks() -> list[dict]:
 
 
 def default_features(facts: dict[str, Any]) -> list[str]:
-    """What the node has: nvml and cuda where NVML answers, torch where it imports, ebpf where root or bcc is."""
-    out = []
+    """What the node has, and nvml always: cuda where NVML answers, torch where it imports, ebpf where root
+    or bcc is. Without a driver nvml is checked all the same: gpudiag watches GPUs through it."""
+    out = ["nvml"]
     if facts.get("available"):
-        out += ["nvml", "cuda"]
+        out.append("cuda")
     if importlib.util.find_spec("torch") is not None:
         out.append("torch")
     if os.geteuid() == 0 or os.path.isdir("/usr/lib/python3/dist-packages/bcc"):
@@ -315,7 +326,8 @@ def default_features(facts: dict[str, Any]) -> list[str]:
 
 
 def run_checks(features: list[str] | None = None, *, ebpf_mode: str | None = None) -> dict[str, Any]:
-    """Run the checks of ``features`` (None: the node's); returns {"features", "checks", "ok"}.
+    """Run the checks of ``features`` (None: the node's); returns {"features", "checks", "ok", "driver"},
+    and ``without_driver`` (what still works, WITHOUT_DRIVER) on a node without an NVIDIA driver.
 
     ``ebpf_mode`` is the agent's ``probes.ebpf`` (``--config``): where the features are the
     node's, "off" leaves the eBPF checks out, "auto" makes them optional (the agent runs
@@ -336,6 +348,8 @@ def run_checks(features: list[str] | None = None, *, ebpf_mode: str | None = Non
     checks: list[dict] = []
     if "nvml" in chosen:
         checks += nvml_checks(facts)
+        if not facts.get("available"):
+            checks.append(pid_namespace_check())  # where the agent's PIDs come from, driver or not
     else:  # not chosen: still say whether NVML answers, as information
         checks += [dict(c, required=False) for c in nvml_checks(facts) if c["name"] == "NVML"]
         checks.append(pid_namespace_check())
@@ -346,7 +360,13 @@ def run_checks(features: list[str] | None = None, *, ebpf_mode: str | None = Non
     if "ebpf" in chosen:
         checks += [dict(c, required=False) if ebpf_optional else c for c in ebpf_checks()]
     ok = all(c["status"] == OK for c in checks if c["required"] and c["feature"] in chosen)
-    return {"features": chosen, "checks": checks, "ok": ok}
+    driver = bool(facts.get("available"))
+    out = {"features": chosen, "checks": checks, "ok": ok,
+           "driver": {"present": driver, "detail": facts.get("driver_version") if driver
+                      else facts.get("reason") or "NVML is not reachable"}}
+    if not driver:
+        out["without_driver"] = list(WITHOUT_DRIVER)
+    return out
 
 
 _STYLE = {OK: "green", MISSING: "yellow", WRONG: "red"}
@@ -380,6 +400,11 @@ def register(app: typer.Typer) -> None:
         else:
             console = Console()
             console.print(Text(f"gpudiag doctor: {', '.join(result['features']) or 'no feature'}", style="bold"))
+            if not result["driver"]["present"]:
+                console.print(Text(f"no NVIDIA driver on this node: {result['driver']['detail']}. gpudiag cannot "
+                                   "watch a GPU here; what still works:", style="bold red"))
+                for line in result["without_driver"]:
+                    console.print(Text(f"  - {line}"))
             if ebpf_mode is not None:
                 console.print(Text(f"agent config {config}: probes.ebpf = {ebpf_mode}", style="dim"))
             for c in result["checks"]:
@@ -391,7 +416,12 @@ def register(app: typer.Typer) -> None:
                 console.print(line)
                 if c["status"] != OK and c["fix"]:
                     console.print(Text(f"{'':8}fix: {c['fix']}", style="cyan"))
-            console.print(Text("everything needed is present" if result["ok"]
-                               else "something needed is missing or wrong (see fix)",
-                               style="green" if result["ok"] else "red"))
+            if not result["ok"]:
+                verdict = "something needed is missing or wrong (see fix)"
+            elif result["driver"]["present"]:
+                verdict = "everything needed is present"
+            else:  # features chosen that do without the driver: theirs is present, and no GPU can be watched
+                verdict = (f"what {', '.join(result['features'])} needs is present; without an NVIDIA driver "
+                           "no GPU of this node can be watched")
+            console.print(Text(verdict, style="green" if result["ok"] else "red"))
         raise typer.Exit(0 if result["ok"] else 1)

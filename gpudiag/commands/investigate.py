@@ -1,7 +1,9 @@
 """``gpudiag investigate``: from an alert to a root cause in one command, over a window of the store or Prometheus.
 
-Exit code 0 when nothing of warning level or above is found, 1 when
-something is, 2 on bad input (usable from scripts and alert webhooks).
+Exit codes (usable from scripts and alert webhooks; gpudiag.investigate.EXIT_*): 0 nothing of
+warning level found and every analyzer could judge the window, 1 a warning or critical finding,
+2 bad input, 3 inconclusive: nothing of warning level found, but some analyzers could not judge
+the window (an input missing, or the window too short for them; the coverage section says which).
 """
 
 from __future__ import annotations
@@ -49,7 +51,14 @@ def investigate(
     html: Optional[str] = typer.Option(None, "--html", help="Also write a self-contained HTML report (charts) "
                                        "to this file."),
 ):
-    """Run every analyzer over a window of the store or Prometheus: causal chain, evidence, memory, next steps, gaps."""
+    """Run every analyzer over a window of the store or Prometheus: causal chain, evidence, memory, next steps,
+    gaps and coverage.
+
+    Exit codes: 0 nothing of warning level found, and every analyzer could judge the window;
+    1 a warning or critical finding; 2 bad input (one line on stderr); 3 inconclusive: nothing
+    of warning level found, but some analyzers could not judge the window (an input missing, or
+    the window too short for them: see the coverage section).
+    """
     from gpudiag import investigate as I
     from gpudiag.errors import GpudiagError
 
@@ -71,9 +80,10 @@ def investigate(
             bar.long = window.end_s - window.start_s >= PROGRESS_MIN_WINDOW_S
         findings = _analyze(window, bar)
         bar("report", 0, 1)
-        doc = I.document(window, findings)
+        covered = I.coverage(window)
+        doc = I.document(window, findings, covered)
         if html is not None:
-            I.write_html(html, window, findings)
+            I.write_html(html, window, findings, covered)
     finally:
         bar.close()
     from gpudiag.cli import skip_teardown
@@ -83,7 +93,7 @@ def investigate(
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
     else:
         _print(Console(file=sys.stdout, highlight=False), doc, findings, html)
-    return I.exit_code(findings)
+    return I.exit_code(findings, covered)
 
 
 # Windows shorter than this are analyzed in a few seconds: no bar flickers over them.
@@ -119,16 +129,15 @@ class _Progress:
 
 
 def _analyze(window, progress) -> list:
-    """Every analyzer of the registry over the window, one progress step each, chain-assembled."""
-    from gpudiag.analyzers import chain
-    from gpudiag.analyzers.registry import ANALYZERS
+    """Every analyzer of the registry over the window, one progress step each, concluded as run_all does."""
+    from gpudiag.analyzers.registry import ANALYZERS, conclude
 
     findings = []
     for i, (kind, analyze) in enumerate(ANALYZERS.items()):
         progress(f"analyzer {kind}", i, len(ANALYZERS))
         findings.extend(analyze(window))
     progress("causal chain", len(ANALYZERS), len(ANALYZERS))
-    return chain.assemble(findings)
+    return conclude(window, findings)
 
 
 def _when(t: float | None, origin: float) -> str:
@@ -140,14 +149,15 @@ def _when(t: float | None, origin: float) -> str:
 
 
 def _print(out: Console, doc: dict, findings, html: str | None) -> None:
-    from gpudiag.investigate import _iso
+    from gpudiag.investigate import _iso, coverage_verdict
 
     w = doc["window"]
     origin = w["start_s"]
+    covered = doc["coverage"]
     out.print(f"window {_iso(w['start_s'])} to {_iso(w['end_s'])} ({fmt_seconds(w['end_s'] - w['start_s'])})"
               f"  sources: {', '.join(doc['sources'])}", markup=False)
     if not findings:
-        out.print(Panel(Text("nothing found: no analyzer reports a problem in this window", style="green"),
+        out.print(Panel(Text(coverage_verdict(covered, False), style="green" if covered["conclusive"] else "yellow"),
                         title="Causal chain"))
     else:
         parts = []
@@ -160,7 +170,8 @@ def _print(out: Console, doc: dict, findings, html: str | None) -> None:
             head.append(f.kind, style="bold")
             entity = "".join(x for x in (f" node {f.node}" if f.node else "", "" if f.gpu is None else f" gpu {f.gpu}",
                                          "" if f.pid is None else f" pid {f.pid}"))
-            head.append(f"{entity}   {_when(f.start_s, origin)} → {_when(f.end_s, origin)}\n")
+            end = "ongoing at the window's end" if f.open else _when(f.end_s, origin)
+            head.append(f"{entity}   {_when(f.start_s, origin)} → {end}\n")
             head.append(pad + "   " + f.summary)
             if f.caused_by:
                 head.append("\n" + pad + "   caused by: " + ", ".join(f.caused_by), style="dim")
@@ -203,5 +214,22 @@ def _print(out: Console, doc: dict, findings, html: str | None) -> None:
         for g in doc["gaps"]:
             blinded = f" (blinds {', '.join(g['analyzers'])})" if g["analyzers"] else ""
             out.print(f"  {g['check']}: {g['reason']}{blinded}", markup=False)
+    _print_coverage(out, covered, bool(findings))
     if html is not None:
         out.print(f"HTML report: {html}", markup=False)
+
+
+def _print_coverage(out: Console, covered: dict, found: bool) -> None:
+    """What could be judged: the analyzers that ran (on how much data), those that did not and why,
+    the symptoms left unjudged."""
+    from gpudiag.investigate import coverage_verdict
+
+    out.print(f"Coverage: {coverage_verdict(covered, found)}", style="bold", markup=False)
+    for r in covered["ran"]:
+        kinds = dict.fromkeys((i["kind"], i["rows"], i["seconds"]) for i in r["inputs"])
+        data = ", ".join(f"{kind} {rows} rows over {fmt_seconds(seconds)}" for kind, rows, seconds in kinds)
+        out.print(f"  ran          {r['analyzer']}: {data}", markup=False)
+    for r in covered["not_run"]:
+        out.print(f"  did not run  {r['analyzer']}: {r['detail']}", markup=False, style="yellow")
+    for u in covered["unjudged"]:
+        out.print(f"  unjudged     {u['symptom']}: {u['detail']}", markup=False, style="dim")
