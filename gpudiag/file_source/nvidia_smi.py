@@ -226,7 +226,19 @@ def _reader(name: str, unit: str | None):
             return 1.0 if s == "Active" else 0.0 if s == "Not Active" else math.nan if s.startswith("[") else BAD
         return active
     unit = _unit_of(name) if unit is None else unit
-    return lambda text: _number(text, unit)
+    cut = -len(unit) if unit else None
+
+    def number(text: str):
+        # The common cases without a regular expression or an exception: "1129 MiB", "41" (float()
+        # takes the spaces around); the rest (other units, [N/A], splices) by _number.
+        if cut is not None and text.endswith(unit):
+            body = text[:cut]
+            if body.strip().replace(".", "", 1).isdigit():
+                return float(body)
+        elif text.strip().replace(".", "", 1).isdigit():
+            return float(text)
+        return _number(text, unit)
+    return number
 
 
 @dataclass
@@ -471,13 +483,18 @@ class _GpuLines:
     """The lines of one GPU (by index, uuid or position), columns as arrays."""
 
     index: int
+    fields: tuple[str, ...]  # the read fields, in the order of each line's values
     t: array = field(default_factory=lambda: array("d"))
     line: array = field(default_factory=lambda: array("q"))
     writer: array = field(default_factory=lambda: array("i"))
     name: array = field(default_factory=lambda: array("i"))
-    values: dict[str, array] = field(default_factory=dict)
+    columns: list[array] = field(default_factory=list)
+    facts: dict[tuple[str, ...], int] = field(default_factory=dict)  # (name, uuid, ...) of its lines -> count
     writers_last: list[float] = field(default_factory=list)
     back_steps: int = 0
+
+    def __post_init__(self):
+        self.columns = [array("d") for _ in self.fields]
 
     def writer_of(self, t: float, interval_s: float) -> int:
         """The logger this line continues: of those whose last line is before it, the one whose last line is
@@ -494,16 +511,9 @@ class _GpuLines:
         self.writers_last[best] = t
         return best
 
-    def append(self, t: float, line: int, name: int, values: dict[str, float], interval_s: float) -> None:
-        n = len(self.t)
-        for key, v in values.items():
-            col = self.values.get(key)
-            if col is None:
-                col = self.values[key] = array("d", [math.nan]) * n
+    def append(self, t: float, line: int, name: int, values: list[float], interval_s: float) -> None:
+        for col, v in zip(self.columns, values):
             col.append(v)
-        for col in self.values.values():
-            if len(col) == n:
-                col.append(math.nan)
         self.writer.append(self.writer_of(t, interval_s))
         self.t.append(t)
         self.line.append(line)
@@ -536,9 +546,12 @@ def read(path: Path, rec: Recording, source: int, node: str, progress: ProgressF
     interval = _interval(lay, [t for _, t in first if t is not None], clock)
     readers = [(i, f, _reader(f, lay.units[i])) for i, f in enumerate(lay.fields)
                if f is not None and (f in _MAPPED or f in _MEMORY_PARTS)]
+    read_fields = tuple(f for _, f, _ in readers)
+    fact_names = tuple(lay.facts)
+    fact_columns = tuple(lay.facts.values())
+    spaced = lay.separators is not None and all(lay.separators)  # nvidia-smi's own ", " everywhere
     gpus: dict[str, _GpuLines] = {}
     names: dict[str, int] = {}
-    facts: dict[str, dict[str, Counter]] = {}
     messages: list[str] = []
     last_stamp, position = None, 0
     for lineno, text in chain(first, stream):
@@ -558,7 +571,8 @@ def read(path: Path, rec: Recording, source: int, node: str, progress: ProgressF
         if len(fields) != lay.n:
             report.skip(lineno, text, f"{len(fields)} fields where the log has {lay.n}")
             continue
-        if lay.separators is not None and _separators(fields) != lay.separators:
+        if lay.separators is not None and (text.count(", ") != lay.n - 1 if spaced
+                                           else _separators(fields) != lay.separators):
             report.skip(lineno, text, "separators unlike the log's own (two lines spliced together)")
             continue
         stamp = fields[lay.timestamp].strip()
@@ -566,14 +580,11 @@ def read(path: Path, rec: Recording, source: int, node: str, progress: ProgressF
         if t is None:
             report.skip(lineno, text, "no timestamp")
             continue
-        values: dict[str, float] = {}
+        values = [parse(fields[i]) for i, _, parse in readers]
         bad = None
-        for i, name, parse in readers:
-            x = parse(fields[i])
-            if x is BAD:
-                bad = f"{fields[i].strip()!r} is no {name} value"
-                break
-            values[name] = x
+        if BAD in values:
+            i, name, _ = readers[values.index(BAD)]
+            bad = f"{fields[i].strip()!r} is no {name} value"
         if bad is None and lay.index is not None and not fields[lay.index].strip().isdigit():
             bad = f"{fields[lay.index].strip()!r} is no GPU index"
         if bad is not None:
@@ -590,24 +601,36 @@ def read(path: Path, rec: Recording, source: int, node: str, progress: ProgressF
         g = gpus.get(key)
         if g is None:
             index = int(key) if lay.index is not None or lay.identity is None else len(gpus)
-            g = gpus[key] = _GpuLines(index)
+            g = gpus[key] = _GpuLines(index, read_fields)
         name_text = fields[lay.facts["name"]].strip() if "name" in lay.facts else ""
         g.append(t, lineno, names.setdefault(name_text, len(names)), values, interval)
-        seen = facts.setdefault(key, {})
-        for fact, col in lay.facts.items():
-            seen.setdefault(fact, Counter())[fields[col].strip()] += 1
+        if fact_columns:
+            seen = tuple(fields[c].strip() for c in fact_columns)
+            g.facts[seen] = g.facts.get(seen, 0) + 1
     if messages:
         report.notes.append(f"nvidia-smi reported {len(messages)} errors in place of samples, "
                             f"the first: {messages[0][:120]!r}")
-    _emit(rec, source, report, node, gpus, {v: k for k, v in names.items()}, facts, "name" in lay.facts)
+    _emit(rec, source, report, node, gpus, {v: k for k, v in names.items()}, fact_names, "name" in lay.facts)
+
+
+def _facts(g: _GpuLines, fact_names: tuple[str, ...]) -> dict[str, str]:
+    """Each fact of a GPU (name, uuid, bus id, driver) as most of its lines give it."""
+    out = {}
+    for i, fact in enumerate(fact_names):
+        counts: Counter = Counter()
+        for values, n in g.facts.items():
+            counts[values[i]] += n
+        if counts:
+            out[fact] = counts.most_common(1)[0][0]
+    return out
 
 
 def _emit(rec: Recording, source: int, report: FileRead, node: str, gpus: dict[str, _GpuLines],
-          names: dict[int, str], facts: dict[str, dict[str, Counter]], named: bool) -> None:
+          names: dict[int, str], fact_names: tuple[str, ...], named: bool) -> None:
     """Series per GPU and logger, after dropping spliced names and joining loggers that did not overlap."""
     loggers_seen = 1
     back_steps = 0
-    for key, g in gpus.items():
+    for g in gpus.values():
         t = np.frombuffer(g.t, dtype=float)
         keep = np.ones(t.size, dtype=bool)
         name_codes = np.frombuffer(g.name, dtype=np.int32)
@@ -622,7 +645,7 @@ def _emit(rec: Recording, source: int, report: FileRead, node: str, gpus: dict[s
                     keep &= name_codes != code
         groups = _join_loggers(t, np.frombuffer(g.writer, dtype=np.int32), keep)
         back_steps += g.back_steps
-        fact = {f: c.most_common(1)[0][0] for f, c in facts.get(key, {}).items() if c}
+        fact = _facts(g, fact_names)
         for grp in range(int(groups.max()) + 1 if groups.size else 0):
             rows = np.flatnonzero(keep & (groups == grp))
             if rows.size == 0:
@@ -632,7 +655,8 @@ def _emit(rec: Recording, source: int, report: FileRead, node: str, gpus: dict[s
             labels = {"node": node_name, "gpu": str(g.index)}
             if fact.get("uuid"):
                 labels["uuid"] = fact["uuid"]
-            _put(rec, source, labels, t[rows], {k: np.frombuffer(v, dtype=float)[rows] for k, v in g.values.items()})
+            _put(rec, source, labels, t[rows],
+                 {f: np.frombuffer(col, dtype=float)[rows] for f, col in zip(g.fields, g.columns)})
             rec.gpu_facts[(node_name, g.index)] = {f: v for f, v in fact.items() if v and not v.startswith("[")}
             report.gpus.append({"node": node_name, "gpu": g.index, **rec.gpu_facts[(node_name, g.index)],
                                 "rows": int(rows.size)})
