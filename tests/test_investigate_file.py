@@ -430,3 +430,14 @@ def test_several_files_after_one_file_option_are_one_window(cli, tmp_path):
     assert [f["path"] for f in doc["files"]] == [str(a), str(b)]
     assert sum(len(f["gpus"]) for f in doc["files"]) == 3 and doc["window"]["node"] is None
     _one_error_line(_investigate(cli, "--store", "x.db", str(a)), "paths of recorded files follow --file")
+
+
+def test_files_far_apart_in_time_make_a_coarse_window_and_it_says_so(tmp_path):
+    a = _write(tmp_path, "june.log", _full_log(n=30, gpus=1))
+    month_later = _full_log(n=30, gpus=1).replace(_stamp(T0)[:10], _stamp(T0 + 30 * 86400)[:10])
+    b = _write(tmp_path, "july.log", month_later)
+    window, _ = _load(a, b)
+    assert window.end_s - window.start_s > 29 * 86400
+    assert any("select a shorter stretch with --from/--to" in g for g in window.gaps), window.gaps
+    window, _ = _load(a)
+    assert not window.gaps

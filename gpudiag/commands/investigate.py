@@ -112,7 +112,8 @@ def investigate(
             from gpudiag.file_source import describe
 
             for read in doc["files"]:
-                out.print(describe(read), markup=False)
+                for line in describe(read):
+                    out.print(line, markup=False)
         _print(out, doc, findings, html)
     return I.exit_code(findings)
 

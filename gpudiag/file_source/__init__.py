@@ -203,8 +203,9 @@ def load_window(paths: list[str], *, since: str | None = None, start: str | None
     return window, rec.reads
 
 
-def describe(read: dict[str, Any]) -> str:
-    """One line per file for the text report: format, rows, GPUs and their names, what was skipped."""
+def describe(read: dict[str, Any]) -> list[str]:
+    """Lines of one file for the text report: format, rows, GPUs and their names, what was skipped, then
+    what the reader noted (columns named from values, loggers kept apart) and what it did not read."""
     gpus = read.get("gpus") or []
     names = sorted({g.get("name") for g in gpus if g.get("name")})
     nodes = sorted({g["node"] for g in gpus})
@@ -218,4 +219,9 @@ def describe(read: dict[str, Any]) -> str:
         line += f", {read['scrapes']} scrapes"
     if read["skipped_lines"]:
         line += f"; {read['skipped_lines']} lines skipped (first: {read['first_skipped']})"
-    return line
+    out = [line] + [f"  note: {n}" for n in read.get("notes") or []]
+    if read.get("unread_columns"):
+        out.append(f"  not read: {'; '.join(read['unread_columns'])}")
+    if read.get("unread_series"):
+        out.append(f"  series gpudiag does not map: {', '.join(read['unread_series'])}")
+    return out

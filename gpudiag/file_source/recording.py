@@ -20,7 +20,9 @@ columns in SI units. Definitions:
   meet on one row. Past the lookback a logger that stopped leaves no
   invented values;
 - a gap: a stretch of at least GAP_MIN_INTERVALS of a GPU's (or engine's)
-  own spacing, and GAP_MIN_S, without a sample of it inside the file's span.
+  own spacing, and GAP_MIN_S, without a sample of it inside the file's span;
+- a window whose step is over COARSE_STEP_RATIO times the finest spacing
+  (files days apart, a month of 1 s samples) says so among its gaps.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ GAP_MIN_INTERVALS = 10.0
 GAP_MIN_S = promql_source.GAP_MIN_S
 # Gaps listed per file at most; the rest are counted.
 MAX_GAPS_PER_FILE = 10
+# A window so long that its step is this many times the finest sample spacing says so: minute-long
+# episodes (throttling, storms) fall between its steps.
+COARSE_STEP_RATIO = 4.0
 # The labels a latency histogram's interval summary is kept by (what the Prometheus source sums by).
 HISTOGRAM_KEEP_LABELS = ("le", "node", "instance", "gpu", "engine")
 
@@ -230,6 +235,13 @@ def build_window(rec: Recording, lo: float, hi: float, more_foreign: tuple[promq
         raise GpudiagError("the files hold no sample in this window")
     spacings = [sp for _, _, _, sp, _ in chosen if sp is not None]
     plan = promql_source.plan(lo, hi, scrape_interval_s=min(spacings) if spacings else None)
+    gaps = []
+    if spacings and plan.step_s > COARSE_STEP_RATIO * min(spacings):
+        from gpudiag.units import fmt_seconds
+
+        gaps.append(f"the window spans {fmt_seconds(hi - lo)}: samples {fmt_seconds(min(spacings))} apart are read "
+                    f"at one per {fmt_seconds(plan.step_s)} (at most {plan.n_steps:,} steps); select a shorter "
+                    f"stretch with --from/--to for every sample")
     plain, hists = [], {}
     entities: dict[int, dict[tuple, list[np.ndarray]]] = {}
     for s, t, v, _, lookback in chosen:
@@ -254,7 +266,6 @@ def build_window(rec: Recording, lo: float, hi: float, more_foreign: tuple[promq
     if not tables:
         raise GpudiagError("the files hold no series gpudiag maps to its metrics in this window")
     _put_facts(tables, rec.gpu_facts)
-    gaps = []
     for i, read in enumerate(rec.reads):
         gaps.extend(_gaps(read, entities.get(i, {}), lo, hi))
     nodes = sorted({str(x) for df in tables.values() if "node" in df for x in df["node"].dropna()})
