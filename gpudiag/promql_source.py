@@ -484,6 +484,11 @@ def _labels(metric: dict[str, str]) -> dict[str, Any]:
     return out
 
 
+def host_of(instance: str) -> str:
+    """The host of a scrape target (``host:port``, ``[v6]:port``), as the node of its series."""
+    return _host(instance)
+
+
 def _host(instance: str) -> str:
     if instance.startswith("["):
         return instance[1:].split("]", 1)[0]
@@ -514,8 +519,11 @@ class _Mapping:
     priority: int = 0
 
 
-def mappings() -> dict[str, list[_Mapping]]:
-    """Every exported name understood -> where its values go, in priority order."""
+def mappings(more_foreign: Iterable[Foreign] = ()) -> dict[str, list[_Mapping]]:
+    """Every exported name understood -> where its values go, in priority order.
+
+    ``more_foreign`` adds another tool's names (a recorded file's fields) after :data:`FOREIGN`.
+    """
     out: dict[str, list[_Mapping]] = {}
     for m in METRICS:
         if m.entity not in KEYS or m.type in (HISTOGRAM, INFO):
@@ -527,7 +535,7 @@ def mappings() -> dict[str, list[_Mapping]]:
         m = BY_NAME[current]
         if m.type not in (HISTOGRAM, INFO):
             out.setdefault(old, []).append(_Mapping(m.entity, m.column, priority=1))
-    for f in FOREIGN:
+    for f in (*FOREIGN, *more_foreign):
         entity = CATALOG[f.column].entity
         out.setdefault(f.name, []).append(_Mapping(entity, f.column, f.scale, f.path, f.decode, f.sum, priority=2))
     return out
@@ -553,8 +561,11 @@ def _decode_last_xid(v: np.ndarray) -> list[dict[str, int]]:
 
 
 def _fill(frames: _Frames, series: dict[str, Any], plan_: Plan, maps: list[_Mapping]) -> None:
-    labels = _labels(series.get("metric", {}))
     k, v = _values(series, plan_)
+    _fill_steps(frames, _labels(series.get("metric", {})), k, v, maps)
+
+
+def _fill_steps(frames: _Frames, labels: dict[str, Any], k: np.ndarray, v: np.ndarray, maps: list[_Mapping]) -> None:
     if k.size == 0:
         return
     for mp in maps:
@@ -571,6 +582,37 @@ def _fill(frames: _Frames, series: dict[str, Any], plan_: Plan, maps: list[_Mapp
             frames.add(ent, mp.column, k, vals)
         else:
             frames.put(ent, mp.column, k, vals)
+
+
+def tables_from_series(series: Iterable[tuple[dict[str, str], np.ndarray, np.ndarray]], plan_: Plan, *,
+                       more_foreign: Iterable[Foreign] = (),
+                       histograms: Iterable[tuple[str, dict[str, str], np.ndarray, np.ndarray]] = ()
+                       ) -> dict[str, pd.DataFrame]:
+    """The analyzer tables of series already placed on a plan's steps, as a range query would answer them.
+
+    For sources other than Prometheus (recorded files). ``series``: per
+    exported series its labels (``__name__`` included), the step indexes that
+    hold a value and the values, in the exporter's units; names map to
+    catalog columns as :func:`mappings` maps them (``more_foreign`` adds
+    another tool's names), and the agent's own names win over aliases and foreign
+    names where both fill a column. ``histograms``: per ``_bucket`` series of
+    a latency histogram, its catalog column (see :func:`histograms`), its
+    labels (``le`` included), step indexes and the increase of the bucket
+    over the HISTOGRAM_RANGE_STEPS steps up to each.
+    """
+    frames = _Frames(plan_.n_steps)
+    maps = mappings(more_foreign)
+    known = [(labels, k, v, maps[labels.get("__name__")]) for labels, k, v in series if labels.get("__name__") in maps]
+    known.sort(key=lambda s: min(m.priority for m in s[3]))
+    for labels, k, v, got in known:
+        _fill_steps(frames, _labels(labels), np.asarray(k, dtype=int), np.asarray(v, dtype=float), got)
+    by_column: dict[str, list[dict[str, Any]]] = {}
+    for column, labels, k, v in histograms:
+        t = plan_.start_s + plan_.step_s * np.asarray(k, dtype=float)
+        by_column.setdefault(column, []).append({"metric": labels, "values": list(zip(t.tolist(), v.tolist()))})
+    for column, result in by_column.items():
+        _put_histograms(frames, column, result, plan_)
+    return frames.tables(plan_.t()) if frames.entities else {}
 
 
 # --- the window ------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""``gpudiag investigate``: from an alert to a root cause in one command, over a window of the store or Prometheus.
+"""``gpudiag investigate``: from an alert to a root cause in one command, over a window of the store or Prometheus
+(or of recorded files: :mod:`gpudiag.file_source`).
 
 Exit codes (usable from scripts and alert webhooks; gpudiag.investigate.EXIT_*): 0 nothing of
 warning level found and every analyzer could judge the window, 1 a warning or critical finding,
@@ -50,9 +51,15 @@ def investigate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
     html: Optional[str] = typer.Option(None, "--html", help="Also write a self-contained HTML report (charts) "
                                        "to this file."),
+    files: Optional[list[str]] = typer.Option(
+        None, "--file", help="Read the window from recorded telemetry instead: nvidia-smi --query-gpu logs, "
+        "dcgm-exporter dumps (long CSV or text), OpenMetrics, a folder of /metrics scrapes; the format is "
+        "recognised by content. Repeat --file, or list more paths after it. The window is the whole recording "
+        "unless --from/--to select in it; --since counts back from its last sample."),
+    more_files: Optional[list[str]] = typer.Argument(None, hidden=True),
 ):
-    """Run every analyzer over a window of the store or Prometheus: causal chain, evidence, memory, next steps,
-    gaps and coverage.
+    """Run every analyzer over a window of the store, Prometheus or recorded files: causal chain, evidence,
+    memory, next steps, gaps and coverage.
 
     Exit codes: 0 nothing of warning level found, and every analyzer could judge the window;
     1 a warning or critical finding; 2 bad input (one line on stderr); 3 inconclusive: nothing
@@ -62,8 +69,16 @@ def investigate(
     from gpudiag import investigate as I
     from gpudiag.errors import GpudiagError
 
-    if (store is None) == (prometheus is None):
-        raise GpudiagError("give the window's source: --store PATH (the agent's store) or --prometheus URL")
+    if more_files and not files:
+        raise GpudiagError(f"unexpected argument {more_files[0]!r}: paths of recorded files follow --file")
+    files = [*(files or []), *(more_files or [])]
+    given = [o for o, v in (("--store", store), ("--prometheus", prometheus), ("--file", files or None)) if v]
+    if len(given) > 1:
+        raise GpudiagError(f"give one source of the window: --store PATH, --prometheus URL or --file PATH "
+                           f"({' and '.join(given)} were both given)")
+    if not given:
+        raise GpudiagError("give the window's source: --store PATH (the agent's store) or --prometheus URL, "
+                           "or --file PATH (recorded telemetry)")
     if step is not None and prometheus is None:
         raise GpudiagError("--step applies to --prometheus only (a store holds every sample)")
     bar = _Progress(enabled=sys.stderr.isatty() and not (as_json and not sys.stdout.isatty()))
@@ -75,6 +90,13 @@ def investigate(
             bar.long = hi - lo >= PROGRESS_MIN_WINDOW_S
             window = promql_source.load_window(prometheus, since=since, start=start, end=end, node=node, gpu=gpu,
                                                step=step, progress=bar)
+        elif files:
+            from gpudiag import file_source
+
+            bar.long = file_source.total_bytes(files) >= file_source.PROGRESS_MIN_BYTES
+            window, reads = file_source.load_window(files, since=since, start=start, end=end, node=node, gpu=gpu,
+                                                    progress=bar)
+            bar.long = bar.long or window.end_s - window.start_s >= PROGRESS_MIN_WINDOW_S
         else:
             window = I.load_store_window(store, since=since, start=start, end=end, node=node, gpu=gpu)
             bar.long = window.end_s - window.start_s >= PROGRESS_MIN_WINDOW_S
@@ -82,6 +104,8 @@ def investigate(
         bar("report", 0, 1)
         covered = I.coverage(window)
         doc = I.document(window, findings, covered)
+        if files:
+            doc["files"] = [r.to_dict() for r in reads]
         if html is not None:
             I.write_html(html, window, findings, covered)
     finally:
@@ -92,7 +116,14 @@ def investigate(
     if as_json:
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
     else:
-        _print(Console(file=sys.stdout, highlight=False), doc, findings, html)
+        out = Console(file=sys.stdout, highlight=False)
+        if files:
+            from gpudiag.file_source import describe
+
+            for read in doc["files"]:
+                for line in describe(read):
+                    out.print(line, markup=False)
+        _print(out, doc, findings, html)
     return I.exit_code(findings, covered)
 
 
