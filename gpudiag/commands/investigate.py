@@ -54,7 +54,8 @@ def investigate(
     from gpudiag.errors import GpudiagError
 
     if (store is None) == (prometheus is None):
-        raise GpudiagError("give the window's source: --store PATH (the agent's store) or --prometheus URL")
+        raise GpudiagError("--store and --prometheus exclude each other: give one source" if store is not None
+                           else "give the window's source: --store PATH (the agent's store) or --prometheus URL")
     if step is not None and prometheus is None:
         raise GpudiagError("--step applies to --prometheus only (a store holds every sample)")
     bar = _Progress(enabled=sys.stderr.isatty() and not (as_json and not sys.stdout.isatty()))
