@@ -651,10 +651,13 @@ class Agent:
         self._serve_metrics = serve_metrics
         if sim is not None:
             from gpudiag.reference_engine import scenarios
+            from gpudiag.reference_engine.engine import check_seed
 
             scenarios.get(sim)  # an unknown name is refused before the store is opened or created
+            check_seed(seed)
+        # A path that cannot be written at start is a mistake to report, not an outage to ride out.
         self.store = Store.open(config.store_path(), retention_s=config.get("store.retention_s"),
-                                max_bytes=config.get("store.max_bytes"))
+                                max_bytes=config.get("store.max_bytes"), must_write=True)
         self.latest = LatestFrames(self.node, export_engine_dialect=sim is not None)
         self.registry = registry_for(self.latest)
         self.tracker = ThreeColourTracker()
@@ -748,6 +751,7 @@ class Agent:
             self.slots = self._open_probes()
         except BaseException:
             self.stop()
+            self.store.discard()  # a store this start created goes with it; one that existed stays
             raise
         for name, reason in self.unavailable.items():
             log.info("probe %s unavailable: %s", name, reason)

@@ -295,21 +295,53 @@ def test_an_unknown_scenario_is_one_line_before_the_store_is_created(cli, tmp_pa
     assert not (tmp_path / "s.db").exists(), "an unknown scenario must fail before the store is created"
 
 
-def test_a_port_in_use_ends_the_start_with_one_error_after_a_single_stop(cli, tmp_path):
+def _start_on_a_taken_port(cli, store_path) -> subprocess.CompletedProcess:
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     try:
-        proc = cli("agent", "--sim", "healthy", "--store", tmp_path / "s.db",
+        return cli("agent", "--sim", "healthy", "--store", store_path,
                    "--listen", f"127.0.0.1:{taken.getsockname()[1]}", timeout=60)
     finally:
         taken.close()
+
+
+def test_a_port_in_use_ends_the_start_with_one_error_after_a_single_stop_and_leaves_no_store(cli, tmp_path):
+    proc = _start_on_a_taken_port(cli, tmp_path / "new" / "s.db")
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert lines[-1].startswith("gpudiag: error: cannot listen on 127.0.0.1:"), proc.stderr
     assert sum("agent stopped" in ln for ln in lines) == 1 and not any("stopping" in ln for ln in lines), proc.stderr
-    with Store.open(str(tmp_path / "s.db")) as store:  # closed and unlocked: the next agent may take it
+    assert list(tmp_path.iterdir()) == [], "the failed start left the store it created (or its lock) behind"
+
+
+def test_a_port_in_use_keeps_a_store_that_existed_with_its_data(cli, tmp_path):
+    path = tmp_path / "s.db"
+    with Store.open(str(path)) as store:
+        store.append([Frame("gpu", 1_767_225_600.0, [{"gpu": 0, M.gpu_utilization_ratio: 0.5}])])
+    proc = _start_on_a_taken_port(cli, path)
+    assert proc.returncode == 2 and "cannot listen on" in proc.stderr, proc.stderr
+    with Store.open(str(path)) as store:  # closed and unlocked: the next agent may take it
         assert store.health()["writable"]
+        assert store.time_range() == (1_767_225_600.0, 1_767_225_600.0)
+
+
+@pytest.mark.parametrize("store", ["/proc/nope/s.db", "/proc/version"], ids=["no-directory", "not-writable"])
+def test_a_store_path_that_cannot_be_written_at_start_is_one_line_and_exit_2(cli, store):
+    proc = cli("agent", "--sim", "healthy", "--store", store, "--listen", f"127.0.0.1:{free_port()}", timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"gpudiag: error: store {store} "), proc.stderr
+    assert not os.path.exists("/proc/nope")
+
+
+def test_a_negative_seed_is_one_line_before_the_store_is_created(cli, tmp_path):
+    proc = cli("agent", "--sim", "healthy", "--seed", "-1", "--store", tmp_path / "s.db",
+               "--listen", f"127.0.0.1:{free_port()}", timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "seed must be a non-negative integer, got -1" in lines[0]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_config_file_overrides_defaults_and_the_command_line_overrides_it(tmp_path):
