@@ -746,6 +746,61 @@ def test_a_finding_keeps_its_id_while_the_window_slides_and_resolves_when_its_ev
     assert not opened and not log.active()
 
 
+class ScriptedAnalyzers:
+    """Stands in for the analyzers: each analysis reports the next list of findings of a script."""
+
+    def __init__(self, monkeypatch, script: list[list[Finding]]):
+        from gpudiag.analyzers import registry
+
+        self.script = list(script)
+        monkeypatch.setattr(registry, "run_streaming", lambda *args, **kwargs: self.script.pop(0))
+
+
+def _analyze_at(agent: Agent, t: float) -> None:
+    agent.window.add([Frame("gpu", t, [{"gpu": 0, M.gpu_utilization_ratio: 0.5}])])
+    agent.analyze_once()
+
+
+def test_a_finding_that_escalates_from_warning_to_critical_is_logged_once_like_an_opening(tmp_path, monkeypatch,
+                                                                                       caplog):
+    critical = Severity.CRITICAL
+    ScriptedAnalyzers(monkeypatch, [[_finding(1000, 1100)], [_finding(1000, 1110)],
+                                    [_finding(1000, 1120, critical)], [_finding(1000, 1130, critical)]])
+    agent = Agent(AgentConfig().with_overrides({"store.path": str(tmp_path / "s.db")}), probes=[],
+                  serve_metrics=False)
+    try:
+        with caplog.at_level(logging.INFO, logger="gpudiag.agent"):
+            for t in (1100, 1110, 1120, 1130):
+                _analyze_at(agent, t)
+    finally:
+        agent.stop()
+    lines = [r.getMessage() for r in caplog.records if r.name == "gpudiag.agent" and "finding" in r.getMessage()]
+    assert lines == [f"finding opened: {STORM} warning gpu 0: s",
+                     f"finding escalated: {STORM} warning -> critical gpu 0: s"]
+    assert [r.levelno for r in caplog.records if "escalated" in r.getMessage()] == [logging.WARNING]
+
+
+def test_findings_open_at_stop_end_at_the_last_sample_and_are_taken_up_by_the_next_agent(tmp_path, monkeypatch):
+    ScriptedAnalyzers(monkeypatch, [[_finding(1000, 1100)], [_finding(1000, 1110)]])
+    cfg = AgentConfig().with_overrides({"store.path": str(tmp_path / "s.db")})
+    agent = Agent(cfg, probes=[], serve_metrics=False)
+    try:
+        _analyze_at(agent, 1100)
+        _analyze_at(agent, 1110)
+        agent.window.add([Frame("gpu", 1125.0, [{"gpu": 0, M.gpu_utilization_ratio: 0.5}])])  # the last sample
+    finally:
+        agent.stop()
+    with Store.open(str(tmp_path / "s.db"), readonly=True) as store:
+        (doc,) = store.findings(0, float("inf"))
+        assert store.findings(1200, 1300) == []  # it does not outlive the data
+    assert doc["end_s"] == 1125.0 and doc["state"] == "open_at_stop" and doc["last_evidence_s"] == 1110
+    again = Agent(cfg, probes=[], serve_metrics=False)
+    try:
+        assert list(again.findings.open) == [doc["id"]]  # open again, to be continued or resolved
+    finally:
+        again.stop()
+
+
 def test_the_analyzer_sleeps_until_frames_make_an_analysis_due():
     win = SlidingWindow(300)
     assert win.wait_for(None, 10.0, 0.01) is None  # no frame yet: it waited, nothing to analyze
