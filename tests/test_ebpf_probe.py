@@ -607,6 +607,18 @@ def test_sigterm_ends_a_run_with_the_summary_and_stops_the_command():
     assert doc["command"]["exit_code"] == -15  # SIGTERM passed on
 
 
+@needs_ebpf
+@pytest.mark.parametrize("json_out", [False, True], ids=["summary", "json"])
+def test_a_command_that_cannot_run_is_one_line_and_exit_2_without_a_summary(tmp_path, json_out):
+    not_executable = tmp_path / "script"
+    not_executable.write_text("#!/bin/sh\n")
+    for command, why in (("/nonexistent/cmd", "No such file or directory"), (str(not_executable), "Permission denied")):
+        res = subprocess.run([sys.executable, "-m", "gpudiag", "probe", "cuda", *(["--json"] if json_out else []),
+                              "--", command], check=False, capture_output=True, text=True, timeout=120)
+        assert res.returncode == 2 and res.stdout == "", (res.stdout, res.stderr)
+        assert res.stderr.splitlines() == [f"gpudiag: error: cannot run {command}: {why}"]
+
+
 def _as_unprivileged(argv: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
     prefix = []
     if os.geteuid() == 0:
