@@ -60,6 +60,9 @@ RESOLVE_AFTER_S = 300.0
 # Two sightings of one kind on one entity this close are the same finding: the start an
 # analyzer reports moves as the window slides over it.
 SAME_FINDING_SLACK_S = 300.0
+# The state of a stored finding that was still open when the agent stopped: its end is the
+# agent's last sample (what it saw of it), and the next agent on the store takes it up again.
+OPEN_AT_STOP = "open_at_stop"
 # The analyzer thread sleeps until frames bring the next analysis due (SlidingWindow.wait_for); it
 # also wakes this often to see a reloaded analyzers.interval_s. Polling instead (every 50 ms) cost
 # a quarter of a percent of a core in wake-ups alone.
@@ -523,6 +526,7 @@ class _Open:
     resolved_at_s: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     confirmed_at_s: float | None = None  # the end of the last window whose analysis reported it (not over)
+    escalated_from: Severity | None = None  # the severity the latest analysis raised it from, if it did
 
     def document(self) -> dict[str, Any]:
         d = self.finding.to_dict()
@@ -558,7 +562,7 @@ class FindingLog:
     def restore(self, documents: Iterable[dict[str, Any]]) -> None:
         """Take the findings a previous run left open (from the store), so they can be resolved."""
         for d in documents:
-            if d.get("end_s") is not None:
+            if d.get("end_s") is not None and d.get("state") != OPEN_AT_STOP:
                 continue
             f = Finding(kind=d["kind"], severity=Severity(str(d["severity"])), start_s=float(d["start_s"]),
                         end_s=float(d.get("last_evidence_s") or d["start_s"]), summary=d.get("summary", ""),
@@ -585,6 +589,8 @@ class FindingLog:
         """
         opened, updated, resolved = [], [], []
         seen: set[str] = set()
+        for rec in self.open.values():
+            rec.escalated_from = None
         for f in findings:
             over = f.end_s < window_end_s - RESOLVE_AFTER_S
             rec = self._match(f, self.open)
@@ -607,6 +613,8 @@ class FindingLog:
                            or f.end_s != rec.end_s)
                 if changed:
                     updated.append(rec)
+                if f.severity.rank > rec.finding.severity.rank:
+                    rec.escalated_from = rec.finding.severity
             rec.start_s = min(rec.start_s, f.start_s)
             rec.end_s = max(rec.end_s, f.end_s)
             rec.finding = f
@@ -631,6 +639,17 @@ class FindingLog:
         """The open findings as documents (for the exporter's gpudiag_finding_active)."""
         return [rec.document() for rec in self.open.values()]
 
+    def at_stop(self, last_sample_s: float | None) -> list[dict[str, Any]]:
+        """The open findings as documents for a stopping agent: each ends at ``last_sample_s`` (the newest
+        sample; its last evidence when there was none) in state OPEN_AT_STOP, which :meth:`restore` takes
+        up again."""
+        out = []
+        for rec in self.open.values():
+            d = rec.document()
+            d.update(end_s=rec.end_s if last_sample_s is None else max(rec.end_s, last_sample_s), state=OPEN_AT_STOP)
+            out.append(d)
+        return out
+
 
 # --- the agent ----------------------------------------------------------------------------------
 
@@ -654,10 +673,13 @@ class Agent:
         self._serve_metrics = serve_metrics
         if sim is not None:
             from gpudiag.reference_engine import scenarios
+            from gpudiag.reference_engine.engine import check_seed
 
             scenarios.get(sim)  # an unknown name is refused before the store is opened or created
+            check_seed(seed)
+        # A path that cannot be written at start is a mistake to report, not an outage to ride out.
         self.store = Store.open(config.store_path(), retention_s=config.get("store.retention_s"),
-                                max_bytes=config.get("store.max_bytes"))
+                                max_bytes=config.get("store.max_bytes"), must_write=True)
         self.latest = LatestFrames(self.node, export_engine_dialect=sim is not None)
         self.registry = registry_for(self.latest)
         self.tracker = ThreeColourTracker()
@@ -751,6 +773,7 @@ class Agent:
             self.slots = self._open_probes()
         except BaseException:
             self.stop()
+            self.store.discard()  # a store this start created goes with it; one that existed stays
             raise
         for name, reason in self.unavailable.items():
             log.info("probe %s unavailable: %s", name, reason)
@@ -931,6 +954,11 @@ class Agent:
             self.opened_by_kind[f.kind] = self.opened_by_kind.get(f.kind, 0) + 1
             log.warning("finding opened: %s %s%s: %s", f.kind, f.severity.value,
                         "" if f.gpu is None else f" gpu {f.gpu}", f.summary)
+        for rec in updated:
+            if rec.escalated_from is not None:
+                f = rec.finding
+                log.warning("finding escalated: %s %s -> %s%s: %s", f.kind, rec.escalated_from.value,
+                            f.severity.value, "" if f.gpu is None else f" gpu {f.gpu}", f.summary)
         for rec in resolved:
             log.info("finding resolved: %s after %.0f s of evidence", rec.id, rec.end_s - rec.start_s)
         for rec, state in [(r, "open") for r in opened] + [(r, "updated") for r in updated] \
@@ -1006,6 +1034,10 @@ class Agent:
             slot.stop(timeout_s=max(0.05, min(0.5, deadline - time.monotonic())))
         for th in self._threads:
             th.join(max(0.05, min(1.0, deadline - time.monotonic())))
+        # Findings still open end where the agent's view ends: a stored end of None would say they
+        # go on, past the data, for as long as the store is read.
+        for doc in self.findings.at_stop(self.window.newest_t):
+            self.store.upsert_finding(doc)
         if self.otlp is not None:
             # A collector that is down could hold the final push for its whole timeout.
             done = threading.Thread(target=self.otlp.shutdown, name="gpudiag-otlp-shutdown", daemon=True)

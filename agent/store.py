@@ -72,7 +72,7 @@ import zlib
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -2395,9 +2395,13 @@ class Store:
     """A gpudiag timeline store (see the module docstring). Create it with :meth:`Store.open`."""
 
     def __init__(self, path: str, *, readonly: bool, retention_s: float, max_bytes: int, chunk_s: float,
-                 max_pending_bytes: int):
+                 max_pending_bytes: int, must_write: bool = False):
         self.path = os.path.abspath(path)
         self.readonly = readonly
+        self.must_write = must_write
+        # What this writer made that was not there before (directories, the file, its lock):
+        # discard() removes them, so a start that failed leaves nothing behind.
+        self._created: list[str] = []
         self.retention_s = float(retention_s)
         self.max_bytes = int(max_bytes)
         self.chunk_s = float(chunk_s)
@@ -2440,20 +2444,24 @@ class Store:
     @classmethod
     def open(cls, path: str, *, readonly: bool = False, retention_s: float = DEFAULT_RETENTION_S,
              max_bytes: int = DEFAULT_MAX_BYTES, chunk_s: float = DEFAULT_CHUNK_S,
-             max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES) -> Store:
+             max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES, must_write: bool = False) -> Store:
         """Open (and for writing, create or migrate) the store at ``path``.
 
         For writing: takes the writer lock (GpudiagError naming the other agent's
         pid when it is held) and applies pending schema migrations. A store that
         cannot be written (read-only file system, permissions, disk full) does not
         raise: the store is returned degraded, counts the failure in
-        :meth:`health`, buffers and retries. For reading (``readonly=True``): a
-        missing, empty, corrupt or foreign file raises GpudiagError (one line).
+        :meth:`health`, buffers and retries; with ``must_write`` (a writer that is
+        starting: a path that cannot be written now is a mistake, not an outage)
+        it raises GpudiagError instead and leaves nothing it created behind, unless
+        the failure is another process holding SQLite's write lock for a moment.
+        For reading (``readonly=True``): a missing, empty, corrupt or foreign file
+        raises GpudiagError (one line).
         """
         if retention_s <= 0 or max_bytes <= 0 or chunk_s <= 0:
             raise GpudiagError("store retention_s, max_bytes and chunk_s must be positive")
         store = cls(path, readonly=readonly, retention_s=retention_s, max_bytes=max_bytes, chunk_s=chunk_s,
-                    max_pending_bytes=max_pending_bytes)
+                    max_pending_bytes=max_pending_bytes, must_write=must_write)
         if readonly:
             store._open_reader()
         else:
@@ -2544,7 +2552,15 @@ class Store:
         try:
             directory = os.path.dirname(self.path)
             if not os.path.isdir(directory):
-                os.makedirs(directory, exist_ok=True)
+                missing = []
+                while directory and not os.path.isdir(directory):
+                    missing.append(directory)
+                    directory = os.path.dirname(directory)
+                os.makedirs(os.path.dirname(self.path), exist_ok=True)
+                if first:
+                    self._created += reversed(missing)
+            if first:
+                self._created += [p for p in (self.path + ".lock", self.path) if not os.path.lexists(p)]
             if self._lock_fd is None:
                 self._take_lock()
             conn = self._connect(self.path)
@@ -2560,6 +2576,10 @@ class Store:
             if kind in ("corrupt", "other") and isinstance(exc, sqlite3.DatabaseError):
                 self._release_lock()
                 raise GpudiagError(f"store {self.path} is not a writable gpudiag store: {exc}") from None
+            if first and self.must_write and kind != "busy":
+                self.discard()
+                raise GpudiagError(f"store {self.path} cannot be written ({kind}: {exc}); give a --store path "
+                                   f"this user can create and write") from None
             self._failed(kind, exc, "cannot open the store for writing")
             return False
         self._conn = conn
@@ -3202,6 +3222,26 @@ class Store:
                     self._conn.close()
                     self._conn = None
                 self._release_lock()
+
+    def discard(self) -> None:
+        """Close, then remove what this writer created: the file, its lock and the directories made for it.
+
+        For a writer whose start failed: a store that existed before is closed and kept as it was.
+        """
+        self.close()
+        if self.path in self._created:
+            for suffix in ("-wal", "-shm", "-journal"):  # SQLite's own, gone after a clean close but a crash
+                with suppress(FileNotFoundError):
+                    os.unlink(self.path + suffix)
+        for made in reversed(self._created):
+            try:
+                if os.path.isdir(made) and not os.path.islink(made):
+                    os.rmdir(made)  # only when empty: never a file someone else put there
+                else:
+                    os.unlink(made)
+            except OSError:
+                pass
+        self._created = []
 
     def __enter__(self):
         return self

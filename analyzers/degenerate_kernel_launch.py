@@ -20,6 +20,13 @@ rows, the per-process counter alone gives a warning when grid (1,1,1)
 launches are at least DEGENERATE_SHARE of all launches and number at least
 MIN_DEGENERATE_LAUNCHES (durations unknown: the finding says so).
 
+The slowdown a finding reports (``slowdown_ratio``) is the median GPU time per
+degenerate launch over the usual time per normal launch, both in the window.
+It is a time per launch, not per unit of work: when the slow kernel slows the
+engine, batches grow and each launch does more, so it exceeds the kernel's
+slowdown for the same work and grows as the window takes in more of the
+incident.
+
 Rows carry pid, not GPU: the GPU is taken from the process rows of that pid.
 """
 
@@ -115,7 +122,8 @@ def _function_finding(key, f, gpu_of) -> Finding | None:
         kind=KIND, severity=Severity.CRITICAL, start_s=float(t[bad][0]), end_s=float(t[bad][-1]),
         node=key.get("node"), gpu=gpu_of.get((key.get("node"), pid), gpu_of.get((None, pid))), pid=pid,
         summary=(f"{name} launched with grid {grid} ({usual}) {n_bad:.0f} times, {fmt_seconds(d_bad)} per launch"
-                 + (f", {slowdown:.0f}x its usual time" if not np.isnan(slowdown) else "")),
+                 + (f" against {fmt_seconds(usual_duration)} per normal launch in this window ({slowdown:.0f}x the "
+                    f"time per launch, more work per launch included)" if not np.isnan(slowdown) else "")),
         evidence=[
             Evidence(M.cuda_function_grid_blocks, b_bad, usual_blocks if normal.any() else None,
                      usual_blocks / GRID_DROP_RATIO if normal.any() else 1.0, ""),

@@ -12,7 +12,10 @@ A C loop (tests/ebpf/call_loop.c) calls one function of the shim libcuda
 
 For each it prints the median over several runs of ns per call (loop wall time / calls),
 the probe's own user-space CPU while the loop ran, the call rate reached, and whether every
-call was counted. Needs root and bcc; run as root:
+call was counted with its latency; when not, which figure fell short in which run (calls
+counted, calls seen only at their return, kernel-side drops by reason). The loop reports the
+function it called and how many times; a loop that did not do what it was asked stops the
+benchmark (exit 1) rather than measure something else. Needs root and bcc; run as root:
 
     .venv/bin/python bench/bench_ebpf.py [--calls N] [--runs R]
 """
@@ -45,6 +48,14 @@ REFERENCE_NS = {
     "polled ring-buffer submit": (1400, 1400),
 }
 
+# The call loop's API argument -> the shim function it calls.
+SYMBOLS = {"memcpy": "cuMemcpyHtoDAsync_v2", "launch": "cuLaunchKernel"}
+
+
+class LoopMismatch(Exception):
+    """The call loop did not run what the benchmark asked for: its figures would measure something else."""
+
+
 ENTRY_ONLY = r"""
 BPF_ARRAY(hits, u64, 1);
 int on_entry(struct pt_regs *ctx) { int z = 0; u64 *v = hits.lookup(&z); if (v) __sync_fetch_and_add(v, 1); return 0; }
@@ -65,13 +76,29 @@ def cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def _loop_report(p: subprocess.Popen, api: str, calls: int) -> dict:
+    """The loop's closing line, checked against what it was asked to do (LoopMismatch when it differs)."""
+    line = p.stdout.readline()
+    code = p.wait()
+    parts = line.split()
+    got = dict(zip(parts[::2], parts[1::2]))
+    if code != 0 or got.get("api") != SYMBOLS[api] or got.get("calls") != str(calls) or "wall_ns" not in got:
+        raise LoopMismatch(f"asked the call loop for {calls:,} calls of {SYMBOLS[api]}; it exited {code} "
+                           f"reporting {line.strip()!r}")
+    return got
+
+
 def run_loop(loop: str, lib: str, api: str, calls: int, probe: CudaApiProbe | None = None) -> dict:
     """One loop run; while it runs, serve the probe as the CLI does and measure our CPU."""
     p = subprocess.Popen([loop, lib, api, str(calls), "wait"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          text=True)
-    assert p.stdout.readline().strip() == "ready"
+    first = p.stdout.readline().strip()
+    if first != "ready":
+        p.kill()
+        raise LoopMismatch(f"the call loop did not start ({loop} {lib} {api}): it said {first!r}, exit {p.wait()}")
     if probe is not None:
         probe.add_process(p.pid)
+        drops_before = probe.drops()
     cpu0, t0, next_read = cpu_s(), time.monotonic(), time.monotonic() + 1.0
     p.stdin.write("go\n")
     p.stdin.flush()
@@ -86,16 +113,18 @@ def run_loop(loop: str, lib: str, api: str, calls: int, probe: CudaApiProbe | No
         time.sleep(0.02)
     wall = time.monotonic() - t0
     probe_cpu = cpu_s() - cpu0
-    fields = p.stdout.readline().split()
-    loop_ns = int(fields[fields.index("wall_ns") + 1])
-    out = {"ns_per_call": loop_ns / calls, "rate_per_s": calls / (loop_ns / 1e9),
+    loop_ns = int(_loop_report(p, api, calls)["wall_ns"])
+    out = {"api": SYMBOLS[api], "ns_per_call": loop_ns / calls, "rate_per_s": calls / (loop_ns / 1e9),
            "probe_cpu_ratio": probe_cpu / wall, "counted": None}
     if probe is not None:
         snap = probe.snapshot()
         entry = next(x for x in snap["processes"] if x["pid"] == p.pid)
-        name = "cuLaunchKernel" if api == "launch" else "cuMemcpyHtoDAsync_v2"
-        out["counted"] = entry["apis"].get(name, {}).get("calls", 0)
-        out["drops"] = sum(v for k, v in snap["drops"].items() if k not in ("events", "events_not_kept"))
+        rec = entry["apis"].get(SYMBOLS[api], {})
+        out["counted"] = rec.get("calls", 0)
+        out["untimed"] = rec.get("untimed_calls", 0)
+        drops = probe.drops()
+        out["drops"] = {k: drops[k] - drops_before[k] for k in drops
+                        if k not in ("events", "events_not_kept") and drops[k] != drops_before[k]}
     return out
 
 
@@ -104,16 +133,32 @@ def median_of(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
 
+def shortfalls(runs: list[dict], calls: int) -> list[str]:
+    """Each figure of each run that fell short of every call counted with its latency, as a line."""
+    out = []
+    for i, r in enumerate(runs, 1):
+        if r["counted"] != calls:
+            out.append(f"{r['api']}: counted {r['counted']:,} of {calls:,} in run {i}")
+        if r.get("untimed"):
+            out.append(f"{r['api']}: {r['untimed']:,} of {calls:,} counted at their return only (entry "
+                       f"program not run: no latency) in run {i}")
+        for reason, n in sorted(r.get("drops", {}).items()):
+            out.append(f"{r['api']}: {n:,} not recorded by the kernel ({reason}) in run {i}")
+    return out
+
+
 def report(label: str, runs: list[dict], calls: int, baseline_ns: float | None) -> None:
-    """One line per configuration."""
+    """One line per configuration, then one per figure that fell short."""
     ns = median_of(runs, "ns_per_call")
     added = "" if baseline_ns is None else f"  added {ns - baseline_ns:8.0f} ns/call"
-    counted = ""
+    counted, short = "", []
     if runs[0]["counted"] is not None:
-        complete = all(r["counted"] == calls and r.get("drops", 0) == 0 for r in runs)
-        counted = f"  all {calls} counted in every run: {'yes' if complete else 'NO'}"
+        short = shortfalls(runs, calls)
+        counted = f"  all {calls:,} counted in every run: {'NO' if short else 'yes'}"
     print(f"{label:34s} {ns:9.0f} ns/call{added}  rate {median_of(runs, 'rate_per_s'):10.0f}/s"
           f"  probe CPU {median_of(runs, 'probe_cpu_ratio') * 100:5.1f} %{counted}")
+    for line in short:
+        print(f"{'':34s} {line}")
 
 
 def entry_only_runs(bcc, loop: str, lib: str, calls: int, runs: int) -> list[dict]:
@@ -136,11 +181,14 @@ def entry_only_runs(bcc, loop: str, lib: str, calls: int, runs: int) -> list[dic
 
 
 def main() -> int:
-    """Run every configuration and print the figures."""
+    """Check the machine, then measure (exit 2 when it cannot run, 1 when the loop did not do as asked)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=100_000, help="calls per run")
     ap.add_argument("--runs", type=int, default=5, help="runs per configuration (median reported)")
     args = ap.parse_args()
+    if args.calls < 1 or args.runs < 1:
+        print("bench_ebpf: --calls and --runs must be at least 1", file=sys.stderr)
+        return 2
     blockers = ebpf_readiness.blocking(ebpf_readiness.ebpf_checks())
     if blockers:
         print("cannot run: " + ebpf_readiness.explain(blockers[0]), file=sys.stderr)
@@ -150,44 +198,52 @@ def main() -> int:
         return 2
     tmp = Path(tempfile.mkdtemp(prefix="gpudiag-bench-"))
     try:
-        lib, loop = build(tmp)
-        print(f"kernel {os.uname().release}, {os.cpu_count()} CPUs, {args.calls} calls per run, "
-              f"median of {args.runs} runs")
-        off = {api: [run_loop(loop, lib, api, args.calls) for _ in range(args.runs)] for api in ("memcpy", "launch")}
-        base = {api: median_of(r, "ns_per_call") for api, r in off.items()}
-        report("off, cuMemcpyHtoDAsync_v2", off["memcpy"], args.calls, None)
-        report("off, cuLaunchKernel", off["launch"], args.calls, None)
-
-        with CudaApiProbe([], system_libraries=False) as probe:
-            probe.attach_library(library_from_path(lib))
-            ours = {api: [run_loop(loop, lib, api, args.calls, probe) for _ in range(args.runs)]
-                    for api in ("memcpy", "launch")}
-        report("ours, cuMemcpyHtoDAsync_v2", ours["memcpy"], args.calls, base["memcpy"])
-        report("ours, cuLaunchKernel", ours["launch"], args.calls, base["launch"])
-
-        with CudaApiProbe([], system_libraries=False, events=True) as probe:
-            probe.attach_library(library_from_path(lib))
-            with_events = [run_loop(loop, lib, "memcpy", args.calls, probe) for _ in range(args.runs)]
-            event_drops = probe.drops()["events"]
-        report("ours + events, cuMemcpyHtoDAsync_v2", with_events, args.calls, base["memcpy"])
-        print(f"{'':34s} events dropped (ring full, counted): {event_drops}")
-
-        bcc = ebpf_readiness.import_bcc()
-        entry = entry_only_runs(bcc, loop, lib, args.calls, args.runs)
-        report("entry-only counter uprobe", entry, args.calls, base["memcpy"])
-
-        print("\npublished per-hit references (ns):")
-        for name, (lo, hi) in REFERENCE_NS.items():
-            print(f"  {name:30s} {lo}-{hi}" if lo != hi else f"  {name:30s} ~{lo}")
-        ours_added = median_of(ours["memcpy"], "ns_per_call") - base["memcpy"]
-        entry_added = median_of(entry, "ns_per_call") - base["memcpy"]
-        print(f"\nours adds {ours_added:.0f} ns per hooked call (entry + return trap and aggregation) against "
-              f"{REFERENCE_NS['kernel uprobe'][0] + REFERENCE_NS['kernel uretprobe'][0]}-"
-              f"{REFERENCE_NS['kernel uprobe'][1] + REFERENCE_NS['kernel uretprobe'][1]} ns published for a kernel "
-              f"uprobe + uretprobe pair; an entry-only uprobe adds {entry_added:.0f} ns here, so the return trap "
-              f"and the maps cost {ours_added - entry_added:.0f} ns.")
+        return _measure(tmp, args)
+    except LoopMismatch as exc:
+        print(f"bench_ebpf: {exc}", file=sys.stderr)
+        return 1
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _measure(tmp: Path, args) -> int:
+    """Build the loop and the shim, run every configuration and print the figures."""
+    lib, loop = build(tmp)
+    print(f"kernel {os.uname().release}, {os.cpu_count()} CPUs, {args.calls} calls per run, "
+          f"median of {args.runs} runs")
+    off = {api: [run_loop(loop, lib, api, args.calls) for _ in range(args.runs)] for api in ("memcpy", "launch")}
+    base = {api: median_of(r, "ns_per_call") for api, r in off.items()}
+    report("off, cuMemcpyHtoDAsync_v2", off["memcpy"], args.calls, None)
+    report("off, cuLaunchKernel", off["launch"], args.calls, None)
+
+    with CudaApiProbe([], system_libraries=False) as probe:
+        probe.attach_library(library_from_path(lib))
+        ours = {api: [run_loop(loop, lib, api, args.calls, probe) for _ in range(args.runs)]
+                for api in ("memcpy", "launch")}
+    report("ours, cuMemcpyHtoDAsync_v2", ours["memcpy"], args.calls, base["memcpy"])
+    report("ours, cuLaunchKernel", ours["launch"], args.calls, base["launch"])
+
+    with CudaApiProbe([], system_libraries=False, events=True) as probe:
+        probe.attach_library(library_from_path(lib))
+        with_events = [run_loop(loop, lib, "memcpy", args.calls, probe) for _ in range(args.runs)]
+        event_drops = probe.drops()["events"]
+    report("ours + events, cuMemcpyHtoDAsync_v2", with_events, args.calls, base["memcpy"])
+    print(f"{'':34s} events dropped (ring full, counted): {event_drops}")
+
+    bcc = ebpf_readiness.import_bcc()
+    entry = entry_only_runs(bcc, loop, lib, args.calls, args.runs)
+    report("entry-only counter uprobe", entry, args.calls, base["memcpy"])
+
+    print("\npublished per-hit references (ns):")
+    for name, (lo, hi) in REFERENCE_NS.items():
+        print(f"  {name:30s} {lo}-{hi}" if lo != hi else f"  {name:30s} ~{lo}")
+    ours_added = median_of(ours["memcpy"], "ns_per_call") - base["memcpy"]
+    entry_added = median_of(entry, "ns_per_call") - base["memcpy"]
+    print(f"\nours adds {ours_added:.0f} ns per hooked call (entry + return trap and aggregation) against "
+          f"{REFERENCE_NS['kernel uprobe'][0] + REFERENCE_NS['kernel uretprobe'][0]}-"
+          f"{REFERENCE_NS['kernel uprobe'][1] + REFERENCE_NS['kernel uretprobe'][1]} ns published for a kernel "
+          f"uprobe + uretprobe pair; an entry-only uprobe adds {entry_added:.0f} ns here, so the return trap "
+          f"and the maps cost {ours_added - entry_added:.0f} ns.")
     return 0
 
 

@@ -155,14 +155,27 @@ def _delta(df: pd.DataFrame, col: str) -> int:
     return int(counter_increase(df[col].to_numpy(float)))
 
 
+def phases_run(res: RunResult) -> tuple[list[tuple[str, float, float]], list[tuple[str, float, float]]]:
+    """The scenario's phases as this run covered them: (run, not reached).
+
+    A run shortened with --duration ends inside a phase (which is cut at the run's end) or before
+    one starts: a phase that never ran has no figures to show.
+    """
+    end_s = res.window.end_s
+    ran = [(name, start, min(end, end_s)) for name, start, end in res.scenario.phases if start < end_s]
+    missed = [(name, start, end) for name, start, end in res.scenario.phases if start >= end_s]
+    return ran, missed
+
+
 def phase_stats(res: RunResult) -> list[dict[str, Any]]:
-    """Per phase: SLOs of requests that arrived in it, GPU utilization, evictions, failures, memory, CPU."""
+    """Per phase the run reached: SLOs of requests that arrived in it, GPU utilization, evictions,
+    failures, memory, CPU."""
     w = res.window
     gpu, eng, proc, req = w.table("gpu"), w.table("engine"), w.table("process"), w.table("request")
     out: list[dict[str, Any]] = []
     prev_eng = None
     calm: list[tuple[float, list[float]]] | None = None  # the first phase's windows, what later ones recover to
-    for name, start, end in res.scenario.phases:
+    for name, start, end in phases_run(res)[0]:
         g = gpu[(gpu["t"] > start) & (gpu["t"] <= end)]
         e = eng[(eng["t"] > start) & (eng["t"] <= end)]
         pr = proc[(proc["t"] > start) & (proc["t"] <= end)]
@@ -222,6 +235,8 @@ def document(res: RunResult) -> dict[str, Any]:
         "duration_s": w.end_s,
         "slo": slo(req),
         "phases": phase_stats(res),
+        "phases_not_reached": [{"name": name, "start_s": start, "end_s": end}
+                               for name, start, end in phases_run(res)[1]],
         "totals": {
             "requests": int(len(req)),
             "unfinished": res.engine.unfinished(),

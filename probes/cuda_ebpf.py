@@ -64,7 +64,7 @@ struct call_key { u64 pid_tgid; u32 api; u32 pad; };
 struct call { u64 ts; u64 sp; u64 ptr; u64 bytes; u64 func; u32 grid[3]; u32 block[3];
               u32 shmem; u32 kind; };
 struct stats_key { u32 tgid; u32 api; };
-struct api_stats { u64 calls; u64 errors; u64 bytes; u64 failed_bytes; u64 latency_sum_ns;
+struct api_stats { u64 calls; u64 errors; u64 bytes; u64 failed_bytes; u64 latency_sum_ns; u64 untimed;
                    u64 latency[LAT_SLOTS]; };
 struct error_key { u32 tgid; u32 api; s32 code; u32 pad; };
 struct copy_key { u32 tgid; u32 api; u32 kind; u32 pad; };
@@ -228,7 +228,8 @@ static __always_inline int enter_get_function(struct pt_regs *ctx, u32 api) {
 
 /* ---- return: aggregate ---- */
 
-static __always_inline void account(u32 tgid, u32 api, s32 ret, u64 latency, u64 bytes) {
+/* One call ending; ``timed``: its entry was seen, so its latency and arguments are known. */
+static __always_inline void account(u32 tgid, u32 api, s32 ret, u64 latency, u64 bytes, int timed) {
     struct stats_key k = {.tgid = tgid, .api = api};
     struct api_stats *s = stats.lookup(&k);
     if (!s) {
@@ -239,12 +240,16 @@ static __always_inline void account(u32 tgid, u32 api, s32 ret, u64 latency, u64
         s = stats.lookup(&k);
         if (!s) { count_drop(DROP_STATS); return; }
     }
-    u32 slot = bpf_log2l(latency);
-    if (slot >= LAT_SLOTS) slot = LAT_SLOTS - 1;
     __sync_fetch_and_add(&s->calls, 1);
-    __sync_fetch_and_add(&s->bytes, bytes);
-    __sync_fetch_and_add(&s->latency_sum_ns, latency);
-    __sync_fetch_and_add(&s->latency[slot], 1);
+    if (timed) {
+        u32 slot = bpf_log2l(latency);
+        if (slot >= LAT_SLOTS) slot = LAT_SLOTS - 1;
+        __sync_fetch_and_add(&s->bytes, bytes);
+        __sync_fetch_and_add(&s->latency_sum_ns, latency);
+        __sync_fetch_and_add(&s->latency[slot], 1);
+    } else {
+        __sync_fetch_and_add(&s->untimed, 1);
+    }
     if (ret == 0) return;
     __sync_fetch_and_add(&s->errors, 1);
     __sync_fetch_and_add(&s->failed_bytes, bytes);
@@ -335,13 +340,20 @@ static __always_inline int finish(struct pt_regs *ctx, u32 api, int shape) {
     u32 tgid = id >> 32;
     struct call_key k = {.pid_tgid = id, .api = api};
     struct call *open = inflight.lookup(&k);
-    if (!open) return 0;
+    if (!open) {
+        /* A return whose entry was not seen: a call already running when the probe attached or
+           the process was added, or one whose entry program the kernel did not run (seen on 6.18
+           at full call rate: the return program ran for every cuLaunchKernel of a process, the
+           entry program for none). The call happened: counted, untimed. */
+        if (probed_process(tgid)) account(tgid, api, PT_REGS_RC(ctx), 0, 0, 0);
+        return 0;
+    }
     if (PT_REGS_SP(ctx) <= open->sp) return 0;   /* the inner variant returning */
     struct call c = *open;
     inflight.delete(&k);
     u64 now = bpf_ktime_get_ns(), addr = c.ptr;
     s32 ret = PT_REGS_RC(ctx);
-    account(tgid, api, ret, now - c.ts, c.bytes);
+    account(tgid, api, ret, now - c.ts, c.bytes, 1);
     if (shape == SHAPE_ALLOC) addr = ret == 0 ? record_allocation(ctx, tgid, api, &c, now) : 0;
     if (shape == SHAPE_FREE && ret == 0) release_allocation(tgid, &c);
     if (shape == SHAPE_COPY) count_copy(tgid, api, c.kind, c.bytes);
@@ -926,7 +938,7 @@ class CudaApiProbe:
             before = set(self._bpf.uprobe_fds)
             try:
                 # Return probe first: a call caught by the entry probe alone would leave a stale
-                # entry behind; a return without its entry is simply ignored.
+                # entry behind; a return without its entry is counted, without a latency.
                 self._bpf.attach_uretprobe(name=lib.path.encode(), addr=addr, fn_name=f"leave_{i}".encode())
                 self._bpf.attach_uprobe(name=lib.path.encode(), addr=addr, fn_name=f"enter_{i}".encode())
             except Exception as exc:  # bcc raises bare Exception
@@ -1157,7 +1169,7 @@ class CudaApiProbe:
             buckets = list(v.latency)
             rec = {"calls": v.calls, "errors": errors.get((k.tgid, k.api), {}), "bytes": v.bytes,
                    "failed_bytes": v.failed_bytes, "latency_ns": latency_summary(buckets),
-                   "latency_sum_ns": v.latency_sum_ns, "error_burst": False}
+                   "latency_sum_ns": v.latency_sum_ns, "untimed_calls": v.untimed, "error_burst": False}
             if (k.tgid, k.api) in copies:
                 rec["kinds"] = copies[(k.tgid, k.api)]
             prev_calls, prev_errors = self._prev_stats.get((k.tgid, api.name), (0, 0))

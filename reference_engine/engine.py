@@ -123,6 +123,13 @@ def engine_metrics(sched: Scheduler, kv, *, prompt_tokens_total: int, generation
     }
 
 
+def check_seed(seed: int) -> None:
+    """Raise GpudiagError unless ``seed`` can seed a run (a non-negative integer, of any size)."""
+    # numpy's generators take any non-negative integer and refuse a negative one.
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise GpudiagError(f"seed must be a non-negative integer, got {seed}")
+
+
 class VirtualClock:
     """Simulated time. ``speed=None`` runs as fast as possible; a number paces it to wall time."""
 
@@ -147,6 +154,7 @@ class SimEngine:
 
     def __init__(self, cfg: EngineConfig, workload: Workload, seed: int = 0, *,
                  clock: VirtualClock | None = None, node: str = "sim-node", gpu_index: int = 0):
+        check_seed(seed)
         cfg.validate()
         self.cfg = cfg
         self.workload = workload

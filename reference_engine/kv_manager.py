@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from gpudiag.errors import GpudiagError
 from gpudiag.reference_engine.allocator import CachingAllocator, OutOfMemory
 from gpudiag.reference_engine.sequence import Sequence
+from gpudiag.units import fmt_bytes
 
 MIB = 1024**2
 UNBOUNDED = 1 << 30  # steps: "no allocation needed in any horizon we look at"
@@ -258,8 +259,14 @@ class PagedKV(KVManager):
         super().__init__(allocator, bytes_per_token, capacity_bytes, cfg)
         self.block_bytes = cfg.block_size * bytes_per_token
         self.num_blocks = capacity_bytes // self.block_bytes
-        if self.num_blocks == 0:
+        if self.num_blocks == 0 and capacity_bytes < bytes_per_token:
             raise GpudiagError("the KV pool cannot hold a single block: no device memory left after the weights")
+        if self.num_blocks == 0:
+            # The device has room for KV, just not for one block this large.
+            raise GpudiagError(f"block size {cfg.block_size} tokens is too large: one block takes "
+                               f"{fmt_bytes(self.block_bytes)} and the KV pool has {fmt_bytes(capacity_bytes)} "
+                               f"after the weights; at most {capacity_bytes // bytes_per_token:,} tokens per block "
+                               f"fit here")
         self.pool_addr = allocator.malloc(self.num_blocks * self.block_bytes)
         self.free_blocks = self.num_blocks
         self.capacity_bytes = self.num_blocks * self.block_bytes

@@ -6,11 +6,12 @@ Registered into ``scenarios.SCENARIOS``; parameters live here and nowhere else.
 from __future__ import annotations
 
 from gpudiag.reference_engine.engine import EngineConfig
+from gpudiag.reference_engine.gpu_specs import spec as gpu_spec
 from gpudiag.reference_engine.kv_manager import KVConfig
-from gpudiag.reference_engine.launches import ATTENTION, GridFault
+from gpudiag.reference_engine.launches import ATTENTION, GridFault, step_kernels
 from gpudiag.reference_engine.preprocess import PreprocessConfig
 from gpudiag.reference_engine.scenarios import Fix, Scenario
-from gpudiag.reference_engine.sim_gpu import CostModel, DeviceLayout
+from gpudiag.reference_engine.sim_gpu import MODELS, CostModel, DeviceLayout
 from gpudiag.reference_engine.workload import LengthDist, Phase, RequestClass, Workload
 
 GIB = 1024**3
@@ -64,7 +65,10 @@ STARVED_FIXES = {
 # Mistral-7B chat serving on an A100-80GB at a load it carries easily. At
 # UPGRADE_S a new build launches the attention kernel with grid (1,1,1):
 # one block on one SM reads all the KV at one SM's bandwidth (~45 GB/s
-# against ~1.6 TB/s), ~36x slower, and every decode step waits for it.
+# against ~1.6 TB/s), GRID_KERNEL_SLOWDOWN times as long for the same work,
+# and every decode step waits for it. Steps slow down, batches grow, and each
+# launch then reads more KV as well: the per-launch time the analyzer measures
+# over a window grows past this figure, TPOT by less (attention is a part of a step).
 GRID_DURATION_S = 1500.0
 GRID_UPGRADE_S = 500.0
 GRID_QPS = 2.0
@@ -78,6 +82,20 @@ def _grid_engine() -> EngineConfig:
         kernel_launch_rows=True,
         grid_fault=GridFault(kernel=ATTENTION, grid=(1, 1, 1), from_s=GRID_UPGRADE_S),
     )
+
+
+def _grid_kernel_slowdown() -> float:
+    """How many times as long one decode attention launch takes with the fault's grid as with the grid its
+    shape calls for, doing the same work (one chat request of median length): the cost model's figure for
+    this scenario's GPU and model."""
+    cfg = _grid_engine()
+    context = _GRID_CHAT.prompt.median + _GRID_CHAT.output.median
+    _, nbytes, flops = step_kernels(MODELS[cfg.model], [1], context, decode=True)[ATTENTION]
+    gpu = gpu_spec(cfg.gpu)
+    return cfg.cost.kernel_s(gpu, nbytes, flops, blocks=cfg.grid_fault.blocks) / cfg.cost.kernel_s(gpu, nbytes, flops)
+
+
+GRID_KERNEL_SLOWDOWN = _grid_kernel_slowdown()
 
 
 def _grid_workload() -> Workload:
@@ -107,7 +125,8 @@ SCENARIOS: dict[str, Scenario] = {
     ),
     "degenerate-grid": Scenario(
         "degenerate-grid",
-        "after an upgrade the attention kernel is launched with grid (1,1,1) and runs ~36x slower",
+        f"after an upgrade the attention kernel is launched with grid (1,1,1): a decode launch takes "
+        f"{GRID_KERNEL_SLOWDOWN:.0f}x as long for the same work",
         _grid_engine, _grid_workload,
         [("before", 0.0, GRID_UPGRADE_S), ("after-upgrade", GRID_UPGRADE_S, GRID_DURATION_S)],
         GRID_FIXES,

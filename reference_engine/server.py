@@ -60,6 +60,9 @@ OVERSIZE_DRAIN_FACTOR = 16
 # A client that opened a connection and sends nothing must not hold a thread forever.
 CLIENT_READ_TIMEOUT_S = 10.0
 _REQUEST_FIELDS = {"prompt": str, "max_tokens": int, "priority": str, "stream": bool, "ignore_eos": bool}
+# Each path and the methods it answers. Another method on one of them is 405 with an Allow header;
+# HEAD is GET without the body.
+ROUTES = {"/generate": ("POST",), "/metrics": ("GET", "HEAD"), "/health": ("GET", "HEAD")}
 
 
 @dataclass
@@ -441,7 +444,38 @@ def _handler_class(server: EngineServer):
             for k, v in (headers or {}).items():
                 self.send_header(k, v)
             self.end_headers()
-            self.wfile.write(body)
+            if self.command != "HEAD":
+                self.wfile.write(body)
+
+        def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+            # http.server's own refusals (a bad request line, an unknown method, headers too long)
+            # answer in JSON like every other error here, not with an HTML page.
+            self.close_connection = True
+            self._error(code, message or self.responses.get(code, ("error",))[0])
+
+        def _route(self) -> str | None:
+            """The request's path when its method is one the path answers; else answer 404 or 405, None."""
+            path = self.path.split("?", 1)[0]
+            allowed = ROUTES.get(path)
+            if allowed is None:
+                self.close_connection = True
+                routes = ", ".join(f"{methods[0]} {p}" for p, methods in ROUTES.items())
+                self._error(404, f"no such path {path}; try {routes}")
+                return None
+            if self.command not in allowed:
+                self.close_connection = True  # a body sent with it is not read
+                self._error(405, f"{path} answers {' and '.join(allowed)}, not {self.command}",
+                            {"Allow": ", ".join(allowed)})
+                return None
+            return path
+
+        def do_HEAD(self):
+            self.do_GET()
+
+        def _not_allowed(self):
+            self._route()  # no route answers this method: 404 or 405
+
+        do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _not_allowed
 
         def _json(self, status: int, data: dict, headers: dict | None = None) -> None:
             self._send(status, json.dumps(data).encode(), "application/json", headers)
@@ -450,20 +484,15 @@ def _handler_class(server: EngineServer):
             self._json(status, {"error": message}, headers)
 
         def do_GET(self):
-            path = self.path.split("?", 1)[0]
+            path = self._route()
             if path == "/metrics":
                 self._send(200, server.metrics_text(), "text/plain; version=0.0.4; charset=utf-8")
             elif path == "/health":
                 status, body = server.health()
                 self._json(status, body)
-            else:
-                self._error(404, f"no such path {path}; try POST /generate, GET /metrics or GET /health")
 
         def do_POST(self):
-            path = self.path.split("?", 1)[0]
-            if path != "/generate":
-                self.close_connection = True
-                self._error(404, f"no such path {path}; POST /generate")
+            if self._route() is None:
                 return
             body = self._body()
             if body is None:

@@ -295,21 +295,53 @@ def test_an_unknown_scenario_is_one_line_before_the_store_is_created(cli, tmp_pa
     assert not (tmp_path / "s.db").exists(), "an unknown scenario must fail before the store is created"
 
 
-def test_a_port_in_use_ends_the_start_with_one_error_after_a_single_stop(cli, tmp_path):
+def _start_on_a_taken_port(cli, store_path) -> subprocess.CompletedProcess:
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     try:
-        proc = cli("agent", "--sim", "healthy", "--store", tmp_path / "s.db",
+        return cli("agent", "--sim", "healthy", "--store", store_path,
                    "--listen", f"127.0.0.1:{taken.getsockname()[1]}", timeout=60)
     finally:
         taken.close()
+
+
+def test_a_port_in_use_ends_the_start_with_one_error_after_a_single_stop_and_leaves_no_store(cli, tmp_path):
+    proc = _start_on_a_taken_port(cli, tmp_path / "new" / "s.db")
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert lines[-1].startswith("gpudiag: error: cannot listen on 127.0.0.1:"), proc.stderr
     assert sum("agent stopped" in ln for ln in lines) == 1 and not any("stopping" in ln for ln in lines), proc.stderr
-    with Store.open(str(tmp_path / "s.db")) as store:  # closed and unlocked: the next agent may take it
+    assert list(tmp_path.iterdir()) == [], "the failed start left the store it created (or its lock) behind"
+
+
+def test_a_port_in_use_keeps_a_store_that_existed_with_its_data(cli, tmp_path):
+    path = tmp_path / "s.db"
+    with Store.open(str(path)) as store:
+        store.append([Frame("gpu", 1_767_225_600.0, [{"gpu": 0, M.gpu_utilization_ratio: 0.5}])])
+    proc = _start_on_a_taken_port(cli, path)
+    assert proc.returncode == 2 and "cannot listen on" in proc.stderr, proc.stderr
+    with Store.open(str(path)) as store:  # closed and unlocked: the next agent may take it
         assert store.health()["writable"]
+        assert store.time_range() == (1_767_225_600.0, 1_767_225_600.0)
+
+
+@pytest.mark.parametrize("store", ["/proc/nope/s.db", "/proc/version"], ids=["no-directory", "not-writable"])
+def test_a_store_path_that_cannot_be_written_at_start_is_one_line_and_exit_2(cli, store):
+    proc = cli("agent", "--sim", "healthy", "--store", store, "--listen", f"127.0.0.1:{free_port()}", timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"gpudiag: error: store {store} "), proc.stderr
+    assert not os.path.exists("/proc/nope")
+
+
+def test_a_negative_seed_is_one_line_before_the_store_is_created(cli, tmp_path):
+    proc = cli("agent", "--sim", "healthy", "--seed", "-1", "--store", tmp_path / "s.db",
+               "--listen", f"127.0.0.1:{free_port()}", timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "seed must be a non-negative integer, got -1" in lines[0]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_config_file_overrides_defaults_and_the_command_line_overrides_it(tmp_path):
@@ -712,6 +744,61 @@ def test_a_finding_keeps_its_id_while_the_window_slides_and_resolves_when_its_ev
     # Seen again as the window slides over it: not a new finding.
     opened, _, _ = log.reconcile([_finding(1300, 1400)], 1850, 950)
     assert not opened and not log.active()
+
+
+class ScriptedAnalyzers:
+    """Stands in for the analyzers: each analysis reports the next list of findings of a script."""
+
+    def __init__(self, monkeypatch, script: list[list[Finding]]):
+        from gpudiag.analyzers import registry
+
+        self.script = list(script)
+        monkeypatch.setattr(registry, "run_streaming", lambda *args, **kwargs: self.script.pop(0))
+
+
+def _analyze_at(agent: Agent, t: float) -> None:
+    agent.window.add([Frame("gpu", t, [{"gpu": 0, M.gpu_utilization_ratio: 0.5}])])
+    agent.analyze_once()
+
+
+def test_a_finding_that_escalates_from_warning_to_critical_is_logged_once_like_an_opening(tmp_path, monkeypatch,
+                                                                                       caplog):
+    critical = Severity.CRITICAL
+    ScriptedAnalyzers(monkeypatch, [[_finding(1000, 1100)], [_finding(1000, 1110)],
+                                    [_finding(1000, 1120, critical)], [_finding(1000, 1130, critical)]])
+    agent = Agent(AgentConfig().with_overrides({"store.path": str(tmp_path / "s.db")}), probes=[],
+                  serve_metrics=False)
+    try:
+        with caplog.at_level(logging.INFO, logger="gpudiag.agent"):
+            for t in (1100, 1110, 1120, 1130):
+                _analyze_at(agent, t)
+    finally:
+        agent.stop()
+    lines = [r.getMessage() for r in caplog.records if r.name == "gpudiag.agent" and "finding" in r.getMessage()]
+    assert lines == [f"finding opened: {STORM} warning gpu 0: s",
+                     f"finding escalated: {STORM} warning -> critical gpu 0: s"]
+    assert [r.levelno for r in caplog.records if "escalated" in r.getMessage()] == [logging.WARNING]
+
+
+def test_findings_open_at_stop_end_at_the_last_sample_and_are_taken_up_by_the_next_agent(tmp_path, monkeypatch):
+    ScriptedAnalyzers(monkeypatch, [[_finding(1000, 1100)], [_finding(1000, 1110)]])
+    cfg = AgentConfig().with_overrides({"store.path": str(tmp_path / "s.db")})
+    agent = Agent(cfg, probes=[], serve_metrics=False)
+    try:
+        _analyze_at(agent, 1100)
+        _analyze_at(agent, 1110)
+        agent.window.add([Frame("gpu", 1125.0, [{"gpu": 0, M.gpu_utilization_ratio: 0.5}])])  # the last sample
+    finally:
+        agent.stop()
+    with Store.open(str(tmp_path / "s.db"), readonly=True) as store:
+        (doc,) = store.findings(0, float("inf"))
+        assert store.findings(1200, 1300) == []  # it does not outlive the data
+    assert doc["end_s"] == 1125.0 and doc["state"] == "open_at_stop" and doc["last_evidence_s"] == 1110
+    again = Agent(cfg, probes=[], serve_metrics=False)
+    try:
+        assert list(again.findings.open) == [doc["id"]]  # open again, to be continued or resolved
+    finally:
+        again.stop()
 
 
 def test_the_analyzer_sleeps_until_frames_make_an_analysis_due():

@@ -4,6 +4,7 @@ end to end on the CPU."""
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -15,6 +16,17 @@ from gpudiag.catalog import CATALOG, M
 
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "bench_agent.py"
 NODE_E2E = Path(__file__).resolve().parent.parent / "bench" / "node_e2e.py"
+BENCH_EBPF = Path(__file__).resolve().parent.parent / "bench" / "bench_ebpf.py"
+
+
+def _bench_ebpf():
+    """bench/bench_ebpf.py as a module (bench/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_ebpf", BENCH_EBPF)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.parametrize("args", [["--engine-interval-s", "0"], ["--requests-per-s", "-1"]])
@@ -91,3 +103,29 @@ def test_the_agent_benchmarks_peak_rss_counts_a_moment_its_samples_miss():
     peak = bench.peak_rss_bytes()
     assert peak is not None and peak - before >= 60 * 1024**2
     assert bench.rss_bytes() < peak - 48 * 1024**2  # gone again: a sample now would not see it
+
+
+def test_the_ebpf_benchmark_names_each_figure_that_fell_short_and_in_which_run():
+    bench = _bench_ebpf()
+    full = {"api": "cuLaunchKernel", "counted": 100_000, "untimed": 0, "drops": {}}
+    runs = [full, {**full, "counted": 99_812, "drops": {"inflight": 188}}, {**full, "untimed": 100_000}]
+    assert bench.shortfalls([full, full], 100_000) == []
+    assert bench.shortfalls(runs, 100_000) == [
+        "cuLaunchKernel: counted 99,812 of 100,000 in run 2",
+        "cuLaunchKernel: 188 not recorded by the kernel (inflight) in run 2",
+        "cuLaunchKernel: 100,000 of 100,000 counted at their return only (entry program not run: no latency) in run 3",
+    ]
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc is not installed (scripts/system-deps.d/10-ebpf.sh)")
+def test_the_ebpf_benchmark_stops_when_the_call_loop_does_not_run_what_it_was_asked(tmp_path):
+    bench = _bench_ebpf()
+    lib, loop = bench.build(tmp_path)
+    got = bench.run_loop(loop, lib, "launch", 1000)
+    assert got["api"] == "cuLaunchKernel" and got["ns_per_call"] > 0
+    for api, calls in (("lunch", 1000), ("memcpy", 0)):
+        with pytest.raises(bench.LoopMismatch, match="the call loop did not start"):
+            bench.run_loop(loop, lib, api, calls)
+    res = subprocess.run([sys.executable, str(BENCH_EBPF), "--calls", "0"], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 2 and "--calls and --runs must be at least 1" in res.stderr

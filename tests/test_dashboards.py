@@ -329,6 +329,34 @@ def test_repro_commands_in_runbooks_name_real_scenarios_and_fixes(cli):
     assert seen
 
 
+# A sentence that says no scenario exists or applies: "There is no `gpudiag repro` scenario for ...",
+# "No `gpudiag repro` scenario applies".
+NO_SCENARIO = re.compile(r"\bno\b[^.\n]{0,40}\bscenario\b", re.IGNORECASE)
+
+
+def test_a_runbook_names_every_scenario_that_reproduces_its_kind_and_claims_none_is_missing_only_where_so(cli):
+    r = cli("repro", "--list", "--json")
+    assert r.returncode == 0, r.stderr
+    listed = json.loads(r.stdout)["scenarios"]
+    reproducing: dict[str, set[str]] = {}
+    for sc in listed:
+        for kind in sc["expected_findings"]:
+            reproducing.setdefault(alert_name(kind), set()).add(sc["name"])
+    assert set(reproducing) <= {p.stem for p in RUNBOOK_DIR.glob("*.md")}
+    named: dict[str, set[str]] = {}
+    for book, argv in runbook_commands():
+        if argv[0] == "repro" and "--list" not in argv:
+            named.setdefault(book, set()).add(argv[1])
+    for path in sorted(RUNBOOK_DIR.glob("*.md")):
+        book, text = path.stem, path.read_text()
+        assert named.get(book, set()) <= {sc["name"] for sc in listed}, f"{book}: names an unknown scenario"
+        want = reproducing.get(book, set())
+        if want:
+            assert not NO_SCENARIO.search(text), f"{book}: says no scenario exists, but {sorted(want)} reproduce it"
+            missing = want - named.get(book, set())
+            assert not missing, f"{book}: does not show `gpudiag repro` of {sorted(missing)}, which reproduce it"
+
+
 # --- CLI ----------------------------------------------------------------------------
 
 

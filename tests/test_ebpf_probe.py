@@ -607,18 +607,36 @@ def test_sigterm_ends_a_run_with_the_summary_and_stops_the_command():
     assert doc["command"]["exit_code"] == -15  # SIGTERM passed on
 
 
-def _as_unprivileged(argv: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+@needs_ebpf
+@pytest.mark.parametrize("json_out", [False, True], ids=["summary", "json"])
+def test_a_command_that_cannot_run_is_one_line_and_exit_2_without_a_summary(tmp_path, json_out):
+    not_executable = tmp_path / "script"
+    not_executable.write_text("#!/bin/sh\n")
+    for command, why in (("/nonexistent/cmd", "No such file or directory"), (str(not_executable), "Permission denied")):
+        res = subprocess.run([sys.executable, "-m", "gpudiag", "probe", "cuda", *(["--json"] if json_out else []),
+                              "--", command], check=False, capture_output=True, text=True, timeout=120)
+        assert res.returncode == 2 and res.stdout == "", (res.stdout, res.stderr)
+        assert res.stderr.splitlines() == [f"gpudiag: error: cannot run {command}: {why}"]
+
+
+def _without_bpf_privileges(argv: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``argv`` without the privileges BPF needs. As root: still uid 0, with every capability
+    dropped, so the checkout stays readable wherever it lives (a clone under /root, or a home
+    directory of mode 0700, is closed to any other user); otherwise as we are."""
     prefix = []
     if os.geteuid() == 0:
         if shutil.which("setpriv") is None:
-            pytest.skip("setpriv (util-linux) is needed to drop root")
-        prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-    return subprocess.run(prefix + argv, check=False, capture_output=True, text=True, timeout=120, env=env)
+            pytest.skip("setpriv (util-linux) is needed to drop root's capabilities")
+        prefix = ["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--"]
+    res = subprocess.run(prefix + argv, check=False, capture_output=True, text=True, timeout=120, env=env)
+    if prefix and res.stderr.startswith("setpriv:"):
+        pytest.skip(f"cannot drop root's capabilities here: {res.stderr.strip()}")
+    return res
 
 
-def test_without_root_probe_cuda_says_what_is_missing_in_one_line_and_exits_2():
-    res = _as_unprivileged([sys.executable, "-m", "gpudiag", "probe", "cuda", "--duration", "1"])
-    assert res.returncode == 2
+def test_without_bpf_privileges_probe_cuda_says_what_is_missing_in_one_line_and_exits_2():
+    res = _without_bpf_privileges([sys.executable, "-m", "gpudiag", "probe", "cuda", "--duration", "1"])
+    assert res.returncode == 2, res.stderr
     assert "Traceback" not in res.stderr and res.stdout == ""
     (line,) = res.stderr.splitlines()
     assert line.startswith("gpudiag: error: cannot attach the CUDA eBPF probes: privileges:")
@@ -801,6 +819,6 @@ def test_the_program_has_one_handler_pair_per_attached_api_and_launches_are_a_sw
 def test_importing_the_probe_needs_neither_bcc_nor_root():
     code = ("import sys; from gpudiag.probes import cuda_ebpf, cuda_libs, ebpf_readiness; "
             "assert 'bcc' not in sys.modules; print('ok')")
-    res = _as_unprivileged([sys.executable, "-c", code])
+    res = _without_bpf_privileges([sys.executable, "-c", code])
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
 

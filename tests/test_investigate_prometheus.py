@@ -327,7 +327,8 @@ def test_windows_and_urls_that_cannot_be_read_are_refused_before_any_query():
 
 @pytest.mark.parametrize("args, message", [
     (["--prometheus", "http://127.0.0.1:{port}"], "cannot reach Prometheus at http://127.0.0.1:"),
-    (["--prometheus", "http://127.0.0.1:{port}", "--store", "x.db"], "--store PATH"),
+    (["--prometheus", "http://127.0.0.1:{port}", "--store", "x.db"],
+     "--store and --prometheus exclude each other: give one source"),
     ([], "--store PATH (the agent's store) or --prometheus URL"),
     (["--store", "x.db", "--step", "5s"], "--step applies to --prometheus only"),
 ])

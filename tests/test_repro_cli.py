@@ -57,13 +57,17 @@ def test_list_names_every_scenario_and_fix(cli):
     (["repro"], "name a scenario; valid: kv-eviction-storm"),
     (["repro", "no-such-scenario"], "valid: kv-eviction-storm"),
     (["repro", "kv-eviction-storm", "--fix", "magic"], "valid: paged-kv"),
+    (["repro", "healthy", "--fix", "paged-kv"], "scenario healthy has no fix to check"),
     (["repro", "kv-eviction-storm", "--qps", "-3"], "QPS must be a positive number"),
     (["repro", "kv-eviction-storm", "--qps", "0"], "QPS must be a positive number"),
     (["repro", "kv-eviction-storm", "--block-size", "0"], "block size must be a positive"),
+    (["repro", "healthy", "--block-size", "1000000"], "block size 1000000 tokens is too large"),
     (["repro", "kv-eviction-storm", "--gpu", "L4"], "cannot fit"),
     (["repro", "kv-eviction-storm", "--gpu", "TPUv9"], "unknown GPU"),
     (["repro", "kv-eviction-storm", "--model", "gpt-9"], "unknown model"),
     (["repro", "kv-eviction-storm", "--seed", "abc"], "seed"),
+    (["repro", "degenerate-grid", "--seed", "-1"], "seed must be a non-negative integer, got -1"),
+    (["repro", "healthy", "--seed", "-9223372036854775809"], "seed must be a non-negative integer"),
     (["repro", "kv-eviction-storm", "--duration", "-1"], "duration must be positive"),
     (["repro", "kv-eviction-storm", "--qps", "1e308"], "at most 2,000,000 are simulated"),
     (["repro", "kv-eviction-storm", "--duration", "1e9"], "at most 2,000,000 are simulated"),
@@ -77,6 +81,13 @@ def test_bad_input_gives_one_line_and_exit_2(cli, args, needle):
     assert needle in lines[0]
     assert "Traceback" not in r.stderr
     assert r.stdout == ""
+
+
+def test_any_non_negative_seed_runs_however_large(cli):
+    for seed in ("0", str(2**32), str(10**30)):
+        r = cli("repro", "degenerate-grid", "--json", "--seed", seed, "--duration", "5")
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["seed"] == int(seed)
 
 
 def test_a_terminal_sees_a_progress_bar_and_a_pipe_does_not(tmp_path):
@@ -121,3 +132,17 @@ def test_recovery_is_the_start_of_the_last_run_of_windows_within_the_calm_ones()
     assert repro.recovered_after_s(windows({0}), 1000.0, 2200.0, []) is None  # no reference to come back to
     tpot_only = [(1000.0, [0.2, 0.1]), (1060.0, [0.2, 0.05])]
     assert repro.recovered_after_s(tpot_only, 1000.0, 2200.0, calm) == 60.0
+
+
+def test_a_shortened_run_shows_only_the_phases_it_reached_and_names_the_rest_as_not_reached(cli):
+    r = cli("repro", "kv-eviction-storm", "--json", "--duration", "3000")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    spans = [(p["name"], p["start_s"], p["end_s"]) for p in doc["phases"]]
+    assert spans == [("before", 0, 2700), ("during", 2700, 3000)]
+    assert doc["phases"][1]["qps"] > 5  # requests per second of the part that ran, not of the whole phase
+    assert [p["name"] for p in doc["phases_not_reached"]] == ["after"]
+    text = cli("repro", "kv-eviction-storm", "--duration", "5", env={**os.environ, "COLUMNS": "200"})
+    assert text.returncode == 0, text.stderr
+    assert "before (0 s–5.00 s)" in text.stdout and "during (" not in text.stdout.split("not reached")[0]
+    assert "not reached in this 5.00 s run: during (45m00s–1h15m), after (1h15m–2h00m)" in text.stdout

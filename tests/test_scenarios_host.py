@@ -215,10 +215,25 @@ def test_after_the_upgrade_attention_is_launched_with_grid_one_and_found_at_the_
 def test_one_block_runs_the_attention_kernel_about_forty_times_slower_at_the_same_shape(degenerate):
     cfg = degenerate.engine.cfg
     spec, model = gpu_spec(cfg.gpu), MODELS[cfg.model]
-    blocks, nbytes, flops = step_kernels(model, [1] * 16, 16 * 600, decode=True)[ATTENTION]
-    assert blocks == 16 * model.hidden_size // model.head_dim
-    slow = cfg.cost.kernel_s(spec, nbytes, flops, blocks=1) / cfg.cost.kernel_s(spec, nbytes, flops)
-    assert 30 <= slow <= 45
+    for batch, context in ((1, 450), (16, 16 * 600), (64, 64 * 2000)):
+        blocks, nbytes, flops = step_kernels(model, [1] * batch, context, decode=True)[ATTENTION]
+        assert blocks == batch * model.hidden_size // model.head_dim
+        slow = cfg.cost.kernel_s(spec, nbytes, flops, blocks=1) / cfg.cost.kernel_s(spec, nbytes, flops)
+        assert slow == pytest.approx(scenarios_host.GRID_KERNEL_SLOWDOWN)  # one figure whatever the batch
+    assert 30 <= scenarios_host.GRID_KERNEL_SLOWDOWN <= 45
+
+
+def test_the_scenario_states_the_slowdown_for_the_same_work_and_the_finding_names_its_time_per_launch(degenerate):
+    same_work = scenarios_host.GRID_KERNEL_SLOWDOWN
+    summary = scenarios.get("degenerate-grid").summary
+    assert f"a decode launch takes {same_work:.0f}x as long for the same work" in summary
+    (f,) = [f for f in degenerate.findings if f.kind == "degenerate_kernel_launch"]
+    ratio = f.details["slowdown_ratio"]
+    assert "per launch against" in f.summary and "per normal launch in this window" in f.summary
+    assert f"({ratio:.0f}x the time per launch, more work per launch included)" in f.summary
+    # The slow kernel slows every step, batches grow, and each launch reads more KV: its time per
+    # launch over the incident grows past the slowdown for the same work.
+    assert ratio > same_work
 
 
 def test_the_launch_rows_have_the_shape_the_ebpf_probe_gives(degenerate):

@@ -251,6 +251,35 @@ def test_a_bad_request_gets_400_with_a_message_and_the_server_keeps_serving(serv
     assert status == 200 and out["output_tokens"] == 2
 
 
+ROUTES = {"/generate": "POST", "/metrics": "GET, HEAD", "/health": "GET, HEAD"}
+WRONG_METHODS = [(path, method) for path, allow in ROUTES.items()
+                 for method in ("GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS") if method not in allow]
+
+
+@pytest.mark.parametrize("path, method", WRONG_METHODS, ids=[f"{m}-{p}" for p, m in WRONG_METHODS])
+def test_a_route_asked_with_another_method_answers_405_with_allow_and_a_json_error(served, path, method):
+    body = b'{"prompt": "x", "max_tokens": 2}' if method in ("PUT", "PATCH", "POST") else None
+    status, headers, data = served.request(method, path, body, {"Content-Type": "application/json"})
+    assert status == 405 and headers["Allow"] == ROUTES[path]
+    if method == "HEAD":
+        assert data == b""
+    else:
+        assert headers["Content-Type"] == "application/json"
+        assert json.loads(data)["error"] == f"{path} answers {ROUTES[path].replace(', ', ' and ')}, not {method}"
+    status, _, out = served.generate_admitted(prompt="still there?", max_tokens=2)
+    assert status == 200 and out["output_tokens"] == 2
+
+
+def test_head_is_get_without_a_body_and_an_unknown_method_or_path_is_a_json_error(served):
+    status, headers, data = served.request("HEAD", "/health")
+    assert status == 200 and data == b"" and int(headers["Content-Length"]) > 0
+    status, headers, data = served.request("BREW", "/generate")
+    assert status == 501 and headers["Content-Type"] == "application/json" and json.loads(data)["error"]
+    status, _, data = served.request("DELETE", "/nowhere")
+    assert status == 404 and "no such path /nowhere; try POST /generate, GET /metrics, GET /health" in json.loads(
+        data)["error"]
+
+
 def test_under_overload_the_excess_gets_429_with_retry_after_and_every_accepted_request_completes(served):
     before = served.metrics()
     rejected_before = _value(before, M.engine_requests_rejected_total)

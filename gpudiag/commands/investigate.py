@@ -74,8 +74,8 @@ def investigate(
     files = [*(files or []), *(more_files or [])]
     given = [o for o, v in (("--store", store), ("--prometheus", prometheus), ("--file", files or None)) if v]
     if len(given) > 1:
-        raise GpudiagError(f"give one source of the window: --store PATH, --prometheus URL or --file PATH "
-                           f"({' and '.join(given)} were both given)")
+        raise GpudiagError(f"{' and '.join(given)} exclude each other: give one source of the window, "
+                           f"--store PATH, --prometheus URL or --file PATH ({' and '.join(given)} were both given)")
     if not given:
         raise GpudiagError("give the window's source: --store PATH (the agent's store) or --prometheus URL, "
                            "or --file PATH (recorded telemetry)")

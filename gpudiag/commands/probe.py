@@ -57,17 +57,20 @@ DRIVER_ERRORS = {1: "CUDA_ERROR_INVALID_VALUE", 2: "CUDA_ERROR_OUT_OF_MEMORY", 3
 
 # The command starts held: this stub waits for one byte on a pipe, so that the probe can
 # mark its pid before the command makes any call, drops to the invoking user if asked,
-# then becomes the command (same pid).
+# then becomes the command (same pid). A second pipe, closed by a successful exec, carries
+# the errno of a failed one back, so that a command that cannot run is an error, not a run.
 _HOLD = ("import os, sys\n"
-         "fd, uid, gid, groups = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]\n"
+         "fd, status, uid, gid = (int(a) for a in sys.argv[1:5])\n"
+         "groups = sys.argv[5]\n"
+         "os.set_inheritable(status, False)\n"
          "os.read(fd, 1); os.close(fd)\n"
-         "if uid >= 0:\n"
-         "    os.setgroups([int(g) for g in groups.split(',') if g]); os.setgid(gid); os.setuid(uid)\n"
          "try:\n"
-         "    os.execvp(sys.argv[5], sys.argv[5:])\n"
+         "    if uid >= 0:\n"
+         "        os.setgroups([int(g) for g in groups.split(',') if g]); os.setgid(gid); os.setuid(uid)\n"
+         "    os.execvp(sys.argv[6], sys.argv[6:])\n"
          "except OSError as exc:\n"
-         "    sys.stderr.write(f'gpudiag: cannot run {sys.argv[5]}: {exc.strerror}\\n')\n"
-         "    sys.exit(127)\n")
+         "    os.write(status, str(exc.errno).encode())\n"
+         "    os._exit(127)\n")
 
 
 def register(app: typer.Typer) -> None:
@@ -125,20 +128,39 @@ def _invoking_user() -> tuple[int, int, list[int]] | None:
     return uid, gid, groups
 
 
-def _start_command(argv: list[str], stdout) -> tuple[subprocess.Popen, int]:
-    """Start ``argv`` held before exec; returns the process and the pipe end that releases it."""
+def _start_command(argv: list[str], stdout) -> tuple[subprocess.Popen, int, int]:
+    """Start ``argv`` held before exec; returns the process, the pipe end that releases it and the
+    pipe end that :func:`_exec_error` reads."""
     who = _invoking_user()
     uid, gid, groups = who if who else (-1, -1, [])
     read_end, write_end = os.pipe()
+    status_read, status_write = os.pipe()
     try:
-        child = subprocess.Popen([sys.executable, "-c", _HOLD, str(read_end), str(uid), str(gid),
-                                  ",".join(map(str, groups)), *argv], pass_fds=(read_end,), stdout=stdout)
+        child = subprocess.Popen([sys.executable, "-c", _HOLD, str(read_end), str(status_write), str(uid), str(gid),
+                                  ",".join(map(str, groups)), *argv], pass_fds=(read_end, status_write),
+                                 stdout=stdout)
     except OSError as exc:
         os.close(write_end)
+        os.close(status_read)
         raise GpudiagError(f"cannot start the probe's launcher {sys.executable}: {exc.strerror}") from None
     finally:
         os.close(read_end)
-    return child, write_end
+        os.close(status_write)
+    return child, write_end, status_read
+
+
+def _exec_error(status_read: int) -> str | None:
+    """Wait until the released command has become itself; None, or why it could not (its errno's text)."""
+    chunks = []
+    while chunk := os.read(status_read, 64):  # end of file: the exec closed the pipe
+        chunks.append(chunk)
+    os.close(status_read)
+    if not chunks:
+        return None
+    try:
+        return os.strerror(int(b"".join(chunks)))
+    except ValueError:
+        return "the launcher failed"
 
 
 def _flags(api: str, rec: dict, proc: dict) -> str:
@@ -318,11 +340,16 @@ def cuda(
     all_events: list[dict] = []
     try:
         if command:
-            child, release = _start_command(command, stdout=sys.stderr if json_out else None)
+            child, release, exec_status = _start_command(command, stdout=sys.stderr if json_out else None)
             probe.add_process(child.pid, stop_on_load=True)
             os.write(release, b"x")
             os.close(release)
             release = None
+            why = _exec_error(exec_status)
+            if why is not None:
+                child.wait()
+                raise GpudiagError(f"cannot run {command[0]}: {why}")
+            probe.add_process(child.pid, stop_on_load=True)  # again, now that it is the command: its name
         live_view = sys.stdout.isatty() and not json_out
         started = time.monotonic()
         deadline = started + duration if duration is not None else None

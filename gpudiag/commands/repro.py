@@ -41,6 +41,9 @@ def repro(
     if scenario is None:
         raise GpudiagError(f"name a scenario; valid: {', '.join(scenarios.SCENARIOS)} (or use --list)")
     sc = scenarios.get(scenario)
+    if fix is not None and not sc.fixes:
+        raise GpudiagError(f"scenario {sc.name} has no fix to check; `gpudiag repro --list` shows each "
+                           f"scenario's fixes")
     if fix is not None and fix not in sc.fixes:
         raise GpudiagError(f"unknown fix {fix!r} for {sc.name}; valid: {', '.join(sc.fixes)}")
 
@@ -202,6 +205,10 @@ def _print_report(out: Console, sc, docs, results) -> None:
     out.print(f"[bold]{sc.name}[/bold]: {sc.summary}")
     for d in docs:
         out.print(_incident_table(d))
+        if d["phases_not_reached"]:
+            missed = [f"{p['name']} ({fmt_seconds(p['start_s'])}–{fmt_seconds(p['end_s'])})"
+                      for p in d["phases_not_reached"]]
+            out.print(f"not reached in this {fmt_seconds(d['duration_s'])} run: " + ", ".join(missed))
     out.print(_slo_table(docs))
     for d, res in zip(docs, results):
         title = "Findings" + (f" with --fix {d['fix']}" if d["fix"] else " (unfixed)")

@@ -4,8 +4,9 @@
  *   call_loop LIBCUDA API CALLS [wait]   API: memcpy (cuMemcpyHtoDAsync_v2) or launch (cuLaunchKernel)
  *
  * With "wait" it loads the library, prints "ready" and waits for a line on stdin first.
- * Prints "calls N wall_ns W cpu_ns C" on stdout: the loop's wall time and its CPU time
- * (user + system, which is where the uprobe traps are charged).
+ * Prints "api SYMBOL calls N wall_ns W cpu_ns C" on stdout: the function it called, how many
+ * times, the loop's wall time and its CPU time (user + system, where the uprobe traps are charged).
+ * Any other API name or a call count that is not a positive number is refused (exit 2).
  */
 #include <dlfcn.h>
 #include <stdio.h>
@@ -29,7 +30,12 @@ int main(int argc, char **argv) {
     }
     void *lib = dlopen(argv[1], RTLD_NOW);
     if (!lib) { fprintf(stderr, "dlopen: %s\n", dlerror()); return 5; }
-    long calls = atol(argv[3]);
+    char *end;
+    long calls = strtol(argv[3], &end, 10);
+    if (*end || calls <= 0 || (strcmp(argv[2], "launch") && strcmp(argv[2], "memcpy"))) {
+        fprintf(stderr, "usage: %s LIBCUDA memcpy|launch CALLS [wait]\n", argv[0]);
+        return 2;
+    }
     static char host[64];
     CUresult (*memcpy_h2d)(CUdeviceptr, const void *, size_t, void *) =
         (CUresult (*)(CUdeviceptr, const void *, size_t, void *))dlsym(lib, "cuMemcpyHtoDAsync_v2");
@@ -52,6 +58,7 @@ int main(int argc, char **argv) {
         for (long i = 0; i < calls; i++) memcpy_h2d(0x7f0000000000ULL, host, 64, NULL);
     }
     long long w1 = ns(CLOCK_MONOTONIC), c1 = ns(CLOCK_PROCESS_CPUTIME_ID);
-    printf("calls %ld wall_ns %lld cpu_ns %lld\n", calls, w1 - w0, c1 - c0);
+    printf("api %s calls %ld wall_ns %lld cpu_ns %lld\n", use_launch ? "cuLaunchKernel" : "cuMemcpyHtoDAsync_v2",
+           calls, w1 - w0, c1 - c0);
     return 0;
 }
