@@ -1,7 +1,17 @@
-"""Terminal rendering of findings (rich): the chain as a timeline, evidence as small tables."""
+"""Terminal rendering (rich): findings as a timeline with evidence tables, and the tables every command draws.
+
+Tables share one width policy, so output reads at 80 columns and in a pipe:
+the column that says which row this is (a GPU, a process, an engine, a
+scenario) is never cut — it keeps its width and folds only if it alone is
+wider than the screen; figures fold rather than end in "…"; free text wraps
+at words and takes the room that is left.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+from rich import box
 from rich.console import Group
 from rich.panel import Panel
 from rich.table import Table
@@ -9,6 +19,10 @@ from rich.text import Text
 
 from gpudiag.findings import Finding
 from gpudiag.units import fmt_seconds, fmt_value
+
+# The widest an identity column claims before its labels fold: a long scenario or process
+# name still leaves room for the figures beside it on an 80-column terminal.
+IDENTITY_MAX_WIDTH = 28
 
 _STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 
@@ -49,3 +63,33 @@ def findings_panel(findings: list[Finding], title: str = "Findings", scenario=No
             nxt.append("   check a fix: " + " | ".join(checks), style="dim")
         parts.append(nxt)
     return Panel(Group(*parts), title=title)
+
+
+def terminal_table(title: str | None = None, **options) -> Table:
+    """A table drawn the house's way: a simple header rule, no outer padding, the title on the left."""
+    options.setdefault("box", box.SIMPLE_HEAD)
+    options.setdefault("pad_edge", False)
+    options.setdefault("collapse_padding", True)  # one space between columns: 80 columns hold one more figure
+    return Table(title=title, title_justify="left", **options)
+
+
+def identity_column(table: Table, header: str, labels: Iterable[object] = (), **options) -> None:
+    """Add the column that names a row: as wide as its longest label (up to IDENTITY_MAX_WIDTH), never "…".
+
+    A label longer than the screen allows folds onto the next line, whole,
+    instead of losing the characters that tell two rows apart.
+    """
+    widest = max([len(header)] + [len(str(v)) for v in labels])
+    table.add_column(header, no_wrap=True, overflow="fold", min_width=min(widest, IDENTITY_MAX_WIDTH), **options)
+
+
+def figure_column(table: Table, header: str, **options) -> None:
+    """Add a column of figures: it folds rather than truncates, and its header's words stay whole."""
+    options.setdefault("min_width", max(len(word) for word in header.split()) if header.strip() else 1)
+    table.add_column(header, overflow="fold", **options)
+
+
+def text_column(table: Table, header: str, **options) -> None:
+    """Add a free-text column (a summary, a reason): it wraps at words and takes the width that is left."""
+    options.setdefault("ratio", 1)
+    table.add_column(header, overflow="fold", **options)

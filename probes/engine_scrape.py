@@ -303,6 +303,16 @@ class EngineScrapeProbe(Probe):
         self._previous[key] = (buckets, total, count)
         self._row(rows, labels)[metric.column] = summary
 
+    def cumulative_histograms(self) -> dict[tuple[str, str], tuple[list[tuple[float, float]], float, float]]:
+        """The last scrape's histograms as the endpoint counts them since it started.
+
+        ``{(column, engine row name): (cumulative (upper bound, count) buckets, sum, count)}``;
+        a reader that wants quantiles over its own window (``top``'s last minute) keeps
+        these and subtracts, as Prometheus' ``rate()`` does.
+        """
+        return {(column, self.engine if not index else f"{self.engine}/{index}"): value
+                for (column, index), value in self._previous.items()}
+
     def status(self) -> dict[str, Any]:
         """Scrape health, metrics the endpoint has that are not in the catalog, and catalog metrics it lacks."""
         missing = sorted(n for n, m in self._expected.items() if n not in self._seen and m.dialect == "vllm")

@@ -209,3 +209,193 @@ def test_the_gpu_table_shows_clocks_power_throttling_and_a_lost_gpu(monkeypatch,
     (mine,) = [p for p in view["processes"] if p["pid"] == os.getpid()]
     assert mine[M.process_gpu_memory_bytes] == 2 * GIB and mine[M.process_cpu_utilization_ratio] is not None
     assert BLACK_GLYPH * 5 in screen
+
+
+# --- latency over a sliding window ------------------------------------------------------------
+
+STORM_RUNNING = 70
+
+
+def _request(engine: str, finish_s: float, ttft_s: float, itl_s: float) -> dict:
+    return {"engine": engine, "sim_t": finish_s, "finish_s": finish_s, "output_tokens": 100,
+            M.time_to_first_token_seconds: ttft_s, M.inter_token_latency_seconds: itl_s}
+
+
+def test_latency_covers_the_last_minute_not_only_the_last_second():
+    from gpudiag.commands.top import LatencyWindow
+
+    window = LatencyWindow(60.0)
+    # 100 requests finished over the storm's first 50 s, then none for 9 s
+    window.add_requests([_request("e", t * 0.5, ttft_s=0.1 + t / 1000, itl_s=0.02) for t in range(100)], now=0)
+    lat = window.summary({"engine": "e", "sim_t": 59.0, M.num_requests_running: STORM_RUNNING}, now=0)
+    assert lat["finished"] == 100
+    assert lat[M.time_to_first_token_seconds]["p99"] == pytest.approx(0.198, abs=0.002)
+    assert lat[M.inter_token_latency_seconds]["p50"] == pytest.approx(0.02)
+    # a minute later the window has moved past every one of them
+    later = window.summary({"engine": "e", "sim_t": 120.0}, now=0)
+    assert later["finished"] == 0 and later[M.time_to_first_token_seconds]["p99"] is None
+
+
+def test_an_empty_window_says_no_request_finished_and_how_many_run():
+    from rich.console import Console
+
+    from gpudiag.commands.top import render
+
+    engine = {"engine": "gpudiag-engine", M.num_requests_running: STORM_RUNNING, M.num_requests_waiting: 12,
+              M.kv_cache_usage_perc: 0.99, M.num_preemptions_total: 4200,
+              "latency_window": {"window_s": 60.0, "covered_s": 60.0, "finished": 0,
+                                 M.time_to_first_token_seconds: {"p50": None, "p99": None},
+                                 M.inter_token_latency_seconds: {"p50": None, "p99": None}}}
+    view = {"t": 0.0, "node": "n", "sim": None, "host": {}, "gpus": [], "processes": [], "engines": [engine],
+            "probes": {"sim": {"available": True}}, "errors": {}}
+    console = Console(width=80, record=True, file=open(os.devnull, "w"))
+    console.print(render(view, 80))
+    screen = console.export_text()
+    assert f"no request finished in the last 60 s ({STORM_RUNNING} running)" in screen
+    assert "n/a" not in screen.split("Engines")[1]
+
+
+HISTOGRAM_PAGE = """\
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{engine="0"}} 60.0
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{{engine="0",le="0.1"}} {fast}
+vllm:time_to_first_token_seconds_bucket{{engine="0",le="1.0"}} {fast}
+vllm:time_to_first_token_seconds_bucket{{engine="0",le="10.0"}} {total}
+vllm:time_to_first_token_seconds_bucket{{engine="0",le="+Inf"}} {total}
+vllm:time_to_first_token_seconds_sum{{engine="0"}} {total}
+vllm:time_to_first_token_seconds_count{{engine="0"}} {total}
+"""
+
+
+def test_an_engine_endpoints_histograms_give_the_windows_quantiles_and_forget_what_left_it():
+    """Cumulative histograms scraped each second are subtracted across the window, as rate() does."""
+    from gpudiag.commands.top import TopModel
+    from gpudiag.probes.engine_scrape import EngineScrapeProbe
+
+    counts = {"fast": 0, "total": 0}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            page = HISTOGRAM_PAGE.format(**counts).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+            self.wfile.write(page)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        model = TopModel([EngineScrapeProbe(f"http://127.0.0.1:{server.server_address[1]}/metrics")],
+                         latency_window_s=60.0, node="n")
+        model.tick(now=1000.0)
+        counts.update(fast=100, total=100)  # 100 fast requests in the first 10 s
+        model.tick(now=1010.0)
+        for t in range(1011, 1075):  # then only slow ones, one a second
+            counts["total"] += 1
+            view = model.tick(now=float(t))
+        (engine,) = view["engines"]
+        lat = engine["latency_window"]
+        assert lat["finished"] == 60  # the fast ones have left the window
+        assert lat[M.time_to_first_token_seconds]["p50"] > 1.0
+        for t in range(1075, 1140):  # the engine goes quiet: nothing finishes
+            view = model.tick(now=float(t))
+        assert view["engines"][0]["latency_window"]["finished"] == 0
+        model.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_latency_window_is_a_duration():
+    from gpudiag.commands.top import parse_duration
+
+    assert parse_duration("60s") == 60 and parse_duration("2m") == 120 and parse_duration("90") == 90
+
+
+def test_a_latency_window_that_is_not_a_duration_is_one_error_line(cli):
+    proc = cli("top", "--once", "--latency-window", "soon")
+    assert proc.returncode == 2 and proc.stderr.startswith("gpudiag: error: a duration")
+
+
+# --- one simulated frame: names, threads, no interactive hint, 80 columns ---------------------
+
+
+def test_sim_once_at_80_columns_names_the_gpu_and_the_busiest_thread_without_hints_or_cut_labels(cli):
+    env = dict(os.environ, COLUMNS="80", LINES="40")
+    proc = cli("top", "--sim", "--once", "--speed", "20", env=env, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    screen = proc.stdout
+    assert "q quits" not in screen  # --once is not interactive
+    assert "A100" in screen and "engine-loop" in screen  # the GPU's name and the engine's busiest thread
+    assert "gpudiag-engine" in screen and "…" not in screen
+    assert max(len(line) for line in screen.splitlines()) <= 80
+    assert "requests finished in the" in screen  # latency says over what it was taken
+
+
+def test_sim_once_json_carries_the_latency_window_the_gpu_name_and_the_thread(cli):
+    proc = cli("top", "--sim", "--once", "--json", "--speed", "20", "--latency-window", "2m", timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)  # JSON only: a pipe gets nothing else
+    assert doc["gpus"][0]["name"]
+    (engine,) = doc["engines"]
+    lat = engine["latency_window"]
+    assert lat["window_s"] == 120 and lat["finished"] > 0
+    assert lat[M.time_to_first_token_seconds]["p50"] <= lat[M.time_to_first_token_seconds]["p99"]
+    assert doc["processes"][0]["top_threads"][0]["name"] == "engine-loop"
+
+
+# --- findings open in the agent ---------------------------------------------------------------
+
+
+def test_top_names_the_findings_open_in_the_agents_store_and_not_the_resolved_ones(cli, tmp_path, engine_url):
+    from gpudiag.agent.store import Store
+
+    path = str(tmp_path / "agent.db")
+    store = Store.open(path)
+    store.upsert_finding({"id": "kv_eviction_storm-gpu0-100", "kind": "kv_eviction_storm", "severity": "critical",
+                          "start_s": 100.0, "end_s": None, "gpu": 0, "summary": "evictions", "evidence": []})
+    store.upsert_finding({"id": "memory_leak-gpu0-50", "kind": "memory_leak", "severity": "warning",
+                          "start_s": 50.0, "end_s": 90.0, "gpu": 0, "summary": "leak", "evidence": []})
+    store.flush()
+    store.close()
+    proc = cli("top", "--once", "--json", "--engine", engine_url, "--store", path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert [f["kind"] for f in doc["findings"]] == ["kv_eviction_storm"]
+    proc = cli("top", "--once", "--engine", engine_url, "--store", path, env=dict(os.environ, COLUMNS="80"),
+               timeout=120)
+    assert "agent: 1 open: kv_eviction_storm gpu 0" in proc.stdout
+
+
+def test_a_store_that_is_not_there_is_one_error_line(cli, tmp_path):
+    proc = cli("top", "--once", "--store", str(tmp_path / "none.db"))
+    assert proc.returncode == 2 and proc.stderr.startswith("gpudiag: error:")
+
+
+# --- the first frame --------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (scripts/system-deps.d/30-tmux.sh)")
+def test_the_first_frame_is_drawn_while_the_simulator_is_still_starting():
+    """Ordering, not a stopwatch: the header shows before the first sample does, whatever the load."""
+    session = f"gpudiag-top-first-{os.getpid()}"
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "80", "-y", "30",
+                    f"cd {repo} && env -u COLUMNS -u LINES {sys.executable} -m gpudiag top --sim; sleep 60"],
+                   check=True)
+    try:
+        started = time.monotonic()
+        first = _wait_screen(session, lambda s: "gpudiag top" in s)
+        first_s = time.monotonic() - started
+        assert "starting:" in first and "waiting for the first sample" in first, first
+        assert "q quits" in first
+        filled = _wait_screen(session, lambda s: "GPU  name" in s, timeout_s=60)
+        filled_s = time.monotonic() - started
+        assert "starting:" not in filled
+        assert first_s < filled_s
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True, check=False)

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gpudiag.errors import GpudiagError
-from gpudiag.render import findings_panel
+from gpudiag.render import findings_panel, identity_column, text_column
 from gpudiag.units import fmt_bytes, fmt_ratio, fmt_seconds
 
 
@@ -106,9 +106,9 @@ def _list(out: Console, as_json: bool):
              "expected_findings": list(s.expected_findings)} for s in scenarios.SCENARIOS.values()]}, indent=2) + "\n")
         return 0
     t = Table(title="Scenarios (gpudiag repro NAME [--fix FIX])")
-    t.add_column("scenario", style="bold")
-    t.add_column("what it reproduces")
-    t.add_column("fixes")
+    identity_column(t, "scenario", scenarios.SCENARIOS, style="bold")
+    text_column(t, "what it reproduces")
+    text_column(t, "fixes")  # an environment setting is one long word: it folds, whole
     for s in scenarios.SCENARIOS.values():
         t.add_row(s.name, s.summary, "\n".join(f"{k}: {v.summary}" for k, v in s.fixes.items()))
     out.print(t)

@@ -4,17 +4,24 @@ Runbooks are package data of gpudiag.runbooks (runbooks/<AlertName>.md), so
 they read the same offline as at the alert's runbook_url. NAME is an alert
 name (GpudiagKvEvictionStorm, any case) or a finding kind
 (kv_eviction_storm).
+
+The list is plain text, one runbook a line (its name, then the first
+sentence of its meaning, shortened to the width), so it reads at 80 columns
+and greps. A runbook is rich Markdown on a terminal and its Markdown source
+in a pipe.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import shutil
+import sys
 from importlib import resources
 
 import typer
 from rich.console import Console
 from rich.markdown import Markdown
-from rich.table import Table
 
 from gpudiag.errors import GpudiagError
 from gpudiag.findings import alert_name
@@ -49,6 +56,31 @@ def summary(markdown: str) -> str:
     return " ".join(para)
 
 
+def first_sentence(text: str) -> str:
+    """The first sentence of a Markdown paragraph, inline markup (`code`, **bold**, links) taken out."""
+    plain = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)
+    plain = re.sub(r"[`*_]{1,2}([^`*_]+)[`*_]{1,2}", r"\1", plain)
+    m = re.match(r"(.+?[.!?])(\s|$)", plain)
+    return (m.group(1) if m else plain).strip()
+
+
+def list_lines(items: list[dict[str, str]], width: int) -> list[str]:
+    """``NAME  first sentence of its meaning`` a line, names aligned, each line at most ``width`` wide.
+
+    The name is never shortened (it is what ``gpudiag runbook NAME`` takes);
+    the sentence is cut at a word and ends in "…" when the width runs out.
+    """
+    name_width = max([len(it["name"]) for it in items] + [len("runbook")])
+    room = max(width - name_width - 2, 10)
+    lines = []
+    for it in items:
+        text = first_sentence(it["summary"])
+        if len(text) > room:
+            text = text[: room - 1].rsplit(" ", 1)[0].rstrip(" ,;:—-") + "…"
+        lines.append(f"{it['name']:<{name_width}}  {text}".rstrip())
+    return lines
+
+
 def resolve(name: str, books: dict[str, str]) -> str:
     """The runbook name for an alert name (any case) or a finding kind; GpudiagError when there is none."""
     by_lower = {k.lower(): k for k in books}
@@ -74,13 +106,15 @@ def register(app: typer.Typer) -> None:
             if as_json:
                 typer.echo(json.dumps({"runbooks": items}, indent=2))
                 return
-            table = Table("runbook", "meaning", title="gpudiag runbooks (gpudiag runbook NAME)")
-            for it in items:
-                table.add_row(it["name"], it["summary"])
-            Console().print(table)
+            width = shutil.get_terminal_size((80, 24)).columns  # COLUMNS, else the terminal, else 80
+            typer.echo("\n".join(list_lines(items, width)))
+            typer.echo(f"\n{len(items)} runbooks: gpudiag runbook NAME shows one")
             return
         key = resolve(name, books)
         if as_json:
             typer.echo(json.dumps({"name": key, "summary": summary(books[key]), "markdown": books[key]}, indent=2))
             return
-        Console().print(Markdown(books[key]))
+        if sys.stdout.isatty():
+            Console().print(Markdown(books[key]))
+        else:
+            typer.echo(books[key].rstrip("\n"))

@@ -4,7 +4,14 @@ Per GPU: utilization, memory, temperature, power against its limit, SM clock
 against its maximum and the active throttle reasons. Per process: the three
 memory layers drawn nested (white = allocated inside grey = reserved inside
 black = what the driver charges) and host CPU with the busiest thread. Per
-engine: running and waiting requests, KV-cache usage, preemptions, latency.
+engine: running and waiting requests, KV-cache usage, preemptions, and TTFT
+and inter-token latency P50/P99 over the last ``--latency-window`` seconds.
+With ``--store PATH`` (an agent's store) the findings open in the agent are
+named on one line.
+
+The first frame is drawn at once with what is known (the node, the clock)
+while the probes open — the simulated engine generates its whole workload
+first, a few seconds — and filled in as samples arrive.
 
 ``--once --json`` prints one frame as one JSON document. ``--sim [SCENARIO]``
 reads the reference engine's simulated GPU instead of the real one. ``q``
@@ -16,25 +23,27 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import select
 import socket
 import sys
+import threading
 import time
+from collections import deque
 from typing import Annotated, Any
 
 import typer
-from rich import box
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 from typer.core import TyperCommand
 
-from gpudiag.agent.tracker import ThreeColourTracker
 from gpudiag.catalog import M
 from gpudiag.errors import GpudiagError
 from gpudiag.frames import Frame
 from gpudiag.probes.base import Probe, ProbeError
+from gpudiag.render import figure_column, identity_column, terminal_table
 from gpudiag.units import fmt_bytes, fmt_ratio, fmt_seconds
 
 DEFAULT_SCENARIO = "kv-eviction-storm"
@@ -42,6 +51,17 @@ DEFAULT_SCENARIO = "kv-eviction-storm"
 # The nested bar's glyphs: distinct shapes, so the layers read without colour too.
 WHITE_GLYPH, GREY_GLYPH, BLACK_GLYPH, FREE_GLYPH = "█", "▓", "░", "·"
 BAR_WIDTH = 30
+
+# Latency is judged over the last minute, not the last frame: a P99 needs on the order of a
+# hundred requests to mean anything, which an engine under load finishes within a minute but
+# rarely within one second (during a storm none may finish for tens of seconds); one minute is
+# the range dashboards give histogram_quantile(rate(...[1m])), so the figures compare with
+# theirs; and a storm still shows within a minute of starting.
+DEFAULT_LATENCY_WINDOW = "60s"
+
+# The agent's store is read for open findings at most this often: a finding opens over
+# tens of seconds, and each read is a query on a file the agent is writing.
+FINDINGS_REFRESH_S = 5.0
 
 
 class _TopCommand(TyperCommand):
@@ -71,7 +91,7 @@ def open_probes(sim: str | None, *, speed: float = 1.0, seed: int = 0, engine_ur
             from gpudiag.probes.sim import open_sim_probes
         except ImportError:
             raise GpudiagError("the simulated GPU backend is not available") from None
-        return list(open_sim_probes(sim, speed=speed, seed=seed)) + engines
+        return [SimNode(p) for p in open_sim_probes(sim, speed=speed, seed=seed)] + engines
     from gpudiag.probes.host import HostProbe
     from gpudiag.probes.nvml import NvmlProbe
     from gpudiag.probes.torch_probe import TorchProbe
@@ -117,15 +137,181 @@ class _Recording(Probe):
         self.inner.close()
 
 
+class SimNode(Probe):
+    """The simulated GPU's probe, completed with what a real node's probes would name.
+
+    NVML names the GPU and the host probe names the busiest thread; the
+    simulated engine reports the thread's CPU figure but not its name, and no
+    GPU name. Both come from the engine itself (its GPU spec, its one engine
+    loop), here, so that ``top`` reads the same with and without ``--sim``.
+    """
+
+    def __init__(self, inner: Probe):
+        self.inner = inner
+        self.name, self.interval_s = inner.name, inner.interval_s
+        engine = getattr(inner, "engine", None)
+        spec = getattr(getattr(engine, "gpu", None), "spec", None)
+        self.gpu_name = spec.name if spec is not None else None  # the header says the GPU is simulated
+
+    def sample(self, now: float) -> list[Frame]:
+        """The inner probe's frames, with the GPU's name and the engine's busiest thread filled in."""
+        from gpudiag.reference_engine.engine import ENGINE_PID, ENGINE_THREAD
+
+        frames = self.inner.sample(now)
+        for fr in frames:
+            for row in fr.rows:
+                if fr.kind == "gpu" and self.gpu_name and not row.get("name"):
+                    row["name"] = self.gpu_name
+                elif (fr.kind == "process" and row.get("pid") == ENGINE_PID and not row.get("top_threads")
+                      and row.get(M.process_thread_cpu_max_ratio) is not None):
+                    row["top_threads"] = [{"tid": ENGINE_PID, "name": ENGINE_THREAD,
+                                           "cpu_ratio": row[M.process_thread_cpu_max_ratio]}]
+        return frames
+
+    def status(self) -> dict[str, Any]:
+        """The inner probe's status."""
+        return self.inner.status()
+
+    def close(self) -> None:
+        """Close the inner probe."""
+        self.inner.close()
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``60s``, ``2m``, ``1h`` or a bare number of seconds; GpudiagError otherwise."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(s|m|h)?\s*", text or "")
+    if not m or float(m.group(1)) <= 0:
+        raise GpudiagError(f"a duration is a positive number with s, m or h (60s, 2m), not {text!r}")
+    return float(m.group(1)) * {"s": 1, "m": 60, "h": 3600}[m.group(2) or "s"]
+
+
+def _quantiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p99": None}
+    import numpy as np
+
+    p50, p99 = np.percentile(values, [50, 99])
+    return {"p50": float(p50), "p99": float(p99)}
+
+
+class LatencyWindow:
+    """TTFT and inter-token latency P50/P99 per engine over the last ``window_s`` seconds.
+
+    Two sources, whichever an engine offers: finished-request rows (the
+    simulated engine's ``request`` frames; each carries its own TTFT and
+    inter-token latency), or the engine endpoint's cumulative histograms,
+    kept at each scrape and subtracted across the window as ``rate()`` does.
+    Time is the engine's own clock: simulated seconds with ``--sim``.
+    ``finished`` is how many requests the window holds, so an empty window
+    reads as "none finished", not as a missing figure.
+    """
+
+    def __init__(self, window_s: float):
+        self.window_s = window_s
+        self.requests: dict[str, deque[tuple[float, float | None, float | None]]] = {}
+        self.histograms: dict[tuple[str, str], deque[tuple[float, list, float]]] = {}
+        self.first_seen: dict[str, float] = {}
+
+    def add_requests(self, rows: list[dict[str, Any]], now: float) -> None:
+        """Remember finished requests, on the engine's clock (their finish time when simulated)."""
+        for r in rows:
+            engine = str(r.get("engine"))
+            t = r.get("finish_s") if r.get("sim_t") is not None and r.get("finish_s") is not None else now
+            itl = r.get(M.inter_token_latency_seconds)
+            if (r.get("output_tokens") or 0) < 2:
+                itl = None  # one token has no gap after the first
+            self.requests.setdefault(engine, deque()).append((t, r.get(M.time_to_first_token_seconds), itl))
+
+    def add_histograms(self, cumulative: dict[tuple[str, str], tuple[list, float, float]], now: float) -> None:
+        """Remember one scrape's cumulative histograms (``EngineScrapeProbe.cumulative_histograms``)."""
+        for key, (buckets, _total, count) in cumulative.items():
+            kept = self.histograms.setdefault(key, deque())
+            if kept and count < kept[-1][2]:
+                kept.clear()  # the engine restarted: its counts began again
+            kept.append((now, buckets, count))
+
+    def summary(self, engine_row: dict[str, Any], now: float) -> dict[str, Any]:
+        """``{"window_s", "covered_s", "finished", TTFT column: {p50, p99}, ITL column: {p50, p99}}``."""
+        engine = str(engine_row.get("engine"))
+        clock = engine_row.get("sim_t") if engine_row.get("sim_t") is not None else now
+        # A simulated engine starts at 0 with top, which sees all of its requests.
+        self.first_seen.setdefault(engine, 0.0 if engine_row.get("sim_t") is not None else clock)
+        start = clock - self.window_s
+        covered = min(self.window_s, clock - self.first_seen[engine])
+        out: dict[str, Any] = {"window_s": self.window_s, "covered_s": covered}
+        done = self.requests.get(engine)
+        if done is not None:
+            while done and done[0][0] < start:
+                done.popleft()
+            out["finished"] = len(done)
+            out["source"] = "requests"
+            out[M.time_to_first_token_seconds] = _quantiles([x[1] for x in done if x[1] is not None])
+            out[M.inter_token_latency_seconds] = _quantiles([x[2] for x in done if x[2] is not None])
+            return out
+        for column in (M.time_to_first_token_seconds, M.inter_token_latency_seconds, M.e2e_request_latency_seconds):
+            kept = self.histograms.get((column, engine))
+            if not kept:
+                continue
+            while len(kept) > 1 and kept[1][0] <= now - self.window_s:
+                kept.popleft()  # the newest snapshot at or before the window's start stays as its base
+            if len(kept) < 2:
+                continue
+            base, last = kept[0], kept[-1]
+            out["covered_s"] = min(self.window_s, last[0] - base[0])
+            before = dict(base[1])
+            window = [(ub, c - before.get(ub, 0.0)) for ub, c in last[1]]
+            count = last[2] - base[2]
+            if column == M.e2e_request_latency_seconds or "finished" not in out:
+                out["finished"] = count
+            if column != M.e2e_request_latency_seconds:
+                from gpudiag.probes.engine_scrape import histogram_quantile
+
+                out[column] = {"p50": histogram_quantile(0.5, window), "p99": histogram_quantile(0.99, window)}
+            out["source"] = "histogram"
+        return out
+
+
+class OpenFindings:
+    """The findings an agent holds open, read from its store (read-only) at most every FINDINGS_REFRESH_S."""
+
+    def __init__(self, store_path: str):
+        from gpudiag.agent.store import Store
+
+        self.store = Store.open(store_path, readonly=True)  # GpudiagError (one line) when it is not a store
+        self.last_read_s = -math.inf
+        self.latest: list[dict[str, Any]] = []
+
+    def read(self, now: float) -> list[dict[str, Any]]:
+        """``[{"kind", "severity", "gpu", "summary", "start_s"}]`` of the open findings, most severe first."""
+        if now - self.last_read_s >= FINDINGS_REFRESH_S:
+            self.last_read_s = now
+            docs = [d for d in self.store.findings(0.0, math.inf) if d.get("end_s") is None]
+            rank = {"critical": 0, "warning": 1, "info": 2}
+            self.latest = sorted(({k: d.get(k) for k in ("kind", "severity", "gpu", "summary", "start_s")}
+                                  for d in docs), key=lambda d: (rank.get(d["severity"], 3), d["start_s"] or 0))
+        return self.latest
+
+    def close(self) -> None:
+        """Close the store."""
+        self.store.close()
+
+
 class TopModel:
     """One tick of every probe, joined by the three-colour tracker into what ``top`` shows."""
 
-    def __init__(self, probes: list[Probe], *, sim: str | None = None, node: str | None = None):
+    def __init__(self, probes: list[Probe], *, sim: str | None = None, node: str | None = None,
+                 latency_window_s: float = 60.0, findings: OpenFindings | None = None):
         self.probes = probes
         self.keys = _unique_names(probes)
         self.sim = sim
         self.node = node or socket.gethostname()
+        # Imported here, not at the top: numpy and the frame tables take a few hundred ms to import,
+        # and the first frame is drawn before any of them is needed.
+        from gpudiag.agent.tracker import ThreeColourTracker
+
         self.tracker = ThreeColourTracker(window_s=120.0)
+        self.latency = LatencyWindow(latency_window_s)
+        self.findings = findings
         self.errors: dict[str, str] = {}
 
     def tick(self, now: float | None = None) -> dict[str, Any]:
@@ -143,6 +329,9 @@ class TopModel:
                 self.errors[key] = f"internal error: {type(exc).__name__}: {exc}"
                 continue
             frames.extend(got)
+            histograms = getattr(probe, "cumulative_histograms", None)
+            if histograms is not None:
+                self.latency.add_histograms(histograms(), now)
         by_kind: dict[str, list[dict[str, Any]]] = {}
         for fr in frames:
             if fr.kind != "process":
@@ -158,20 +347,33 @@ class TopModel:
         if nvml and not nvml.get("available"):
             notes["black"] = f"NVML unavailable: {nvml.get('reason')}"
         processes = self.tracker.update(now, frames, layer_notes=notes).rows
+        self.latency.add_requests(by_kind.get("request", []), now)
+        engines = [dict(e, latency_window=self.latency.summary(e, now)) for e in by_kind.get("engine", [])]
         node_rows = by_kind.get("node", [])
-        return {"t": now, "node": self.node, "sim": self.sim,
+        view = {"t": now, "node": self.node, "sim": self.sim,
                 "host": node_rows[-1] if node_rows else {},
                 "gpus": sorted(by_kind.get("gpu", []), key=lambda r: (r.get("gpu") is None, r.get("gpu"))),
-                "processes": processes, "engines": by_kind.get("engine", []),
+                "processes": processes, "engines": engines,
                 "probes": statuses, "errors": dict(self.errors)}
+        if self.findings is not None:
+            view["findings"] = self.findings.read(now)
+        return view
 
     def close(self) -> None:
-        """Close every probe."""
+        """Close every probe (and the agent's store, when one is read)."""
+        if self.findings is not None:
+            self.findings.close()
         for probe in self.probes:
             try:
                 probe.close()
             except Exception as exc:  # noqa: BLE001 - closing on the way out: say it, go on
                 sys.stderr.write(f"gpudiag top: closing {probe.name}: {exc}\n")
+
+
+def starting_view(sim: str | None, waiting_for: str, node: str | None = None) -> dict[str, Any]:
+    """The view drawn before the probes have opened: the node, the clock, and what is awaited."""
+    return {"t": time.time(), "node": node or socket.gethostname(), "sim": sim, "host": {}, "gpus": [],
+            "processes": [], "engines": [], "probes": {}, "errors": {}, "starting": waiting_for}
 
 
 def _unique_names(probes: list[Probe]) -> list[str]:
@@ -248,37 +450,56 @@ def _throttles(row: dict[str, Any]) -> str:
     return ", ".join(active) if active else "none"
 
 
-def _gpu_table(view: dict[str, Any]) -> Table:
-    table = Table(title="GPUs", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    for col in ("GPU", "name", "util", "memory", "temp", "power", "SM clock", "throttle"):
-        table.add_column(col, no_wrap=True, min_width=3)
-    for g in view["gpus"]:
+def _gpu_table(view: dict[str, Any], width: int) -> Table:
+    """Per GPU; under 120 columns the bars give way to figures and clocks/throttling are left out."""
+    table = terminal_table("GPUs")
+    names = [_gpu_name(g) for g in view["gpus"]]
+    identity_column(table, "GPU", [g.get("gpu") for g in view["gpus"]])
+    identity_column(table, "name", names)
+    wide = width >= 120
+    for col in ("util", "memory", "temp", "power") + (("SM clock", "throttle") if wide else ()):
+        figure_column(table, col)
+    for g, name in zip(view["gpus"], names):
         if g.get(M.gpu_lost):
-            table.add_row(str(g.get("gpu")), g.get("name") or "?", Text("LOST", style="bold red"),
-                          Text(g.get("lost_reason") or "", style="red"), "", "", "", "")
+            cells = [str(g.get("gpu")), name, Text("LOST", style="bold red"),
+                     Text(g.get("lost_reason") or "", style="red")]
+            table.add_row(*cells, *[""] * (len(table.columns) - len(cells)))
             continue
         used, total = g.get(M.gpu_memory_used_bytes), g.get(M.gpu_memory_total_bytes)
-        mem = ratio_bar(used / total if used is not None and total else None)
-        mem.append(f" {fmt_bytes(used)}/{fmt_bytes(total)}")
+        if wide:
+            util = ratio_bar(g.get(M.gpu_utilization_ratio))
+            mem = ratio_bar(used / total if used is not None and total else None)
+            mem.append(f" {fmt_bytes(used)}/{fmt_bytes(total)}")
+        else:
+            util = Text(fmt_ratio(g.get(M.gpu_utilization_ratio)).replace(" ", ""))
+            mem = Text(_bytes_compact(used, total))
         temp = _fmt(g.get(M.gpu_temperature_celsius), ".0f") + " °C"
         if g.get(M.gpu_memory_temperature_celsius) is not None:
             temp += f" (HBM {g[M.gpu_memory_temperature_celsius]:.0f})"
         power = f"{_fmt(g.get(M.gpu_power_watts), '.0f')}/{_fmt(g.get(M.gpu_power_limit_watts), '.0f')} W"
         clock = (f"{_fmt(g.get(M.gpu_sm_clock_hertz), '.0f', 1e-6)}/"
                  f"{_fmt(g.get(M.gpu_sm_clock_max_hertz), '.0f', 1e-6)} MHz")
-        name = g.get("name") or "?"
-        if g.get("metrics_unreliable"):
-            name += " (unreliable: MIG/vGPU)"
-        table.add_row(str(g.get("gpu")), name, ratio_bar(g.get(M.gpu_utilization_ratio)), mem, temp, power,
-                      clock, _throttles(g))
+        table.add_row(str(g.get("gpu")), name, util, mem, temp, power, *((clock, _throttles(g)) if wide else ()))
     return table
 
 
-def _process_table(view: dict[str, Any], bar_width: int) -> Table:
-    table = Table(title=f"Processes   {WHITE_GLYPH} allocated (white)  {GREY_GLYPH} reserved (grey)  "
-                        f"{BLACK_GLYPH} driver (black)", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    for col in ("GPU", "PID", "process", "memory", "white / grey / black", "trend/s", "CPU", "top thread"):
-        table.add_column(col, no_wrap=True, min_width=3)
+def _gpu_name(g: dict[str, Any]) -> str:
+    name = g.get("name") or "unnamed"  # NVML could not name it (the row says why elsewhere)
+    return name + " (unreliable: MIG/vGPU)" if g.get("metrics_unreliable") else name
+
+
+def _process_table(view: dict[str, Any], width: int) -> Table:
+    wide = width >= 150  # the long bar and the spelled-out layers
+    table = terminal_table(f"Processes   {WHITE_GLYPH} allocated (white)  {GREY_GLYPH} reserved (grey)  "
+                           f"{BLACK_GLYPH} driver (black)")
+    identity_column(table, "GPU", [p.get("gpu") for p in view["processes"]])
+    identity_column(table, "PID", [p.get("pid") for p in view["processes"]])
+    identity_column(table, "process", [p.get("process") or "?" for p in view["processes"]])
+    table.add_column("memory", no_wrap=True)
+    figure_column(table, "white / grey / black" if wide else "white/grey/black")
+    figure_column(table, "trend/s")
+    figure_column(table, "CPU")
+    figure_column(table, "top thread")
     # One scale for every bar: the largest layer on screen, so processes compare at a glance
     # (the GPU table shows each process's share of the device).
     peak = max([v for p in view["processes"] for v in (p.get(M.process_gpu_memory_bytes),
@@ -292,50 +513,111 @@ def _process_table(view: dict[str, Any], bar_width: int) -> Table:
             trend = p.get(M.process_torch_reserved_growth_bytes_per_second)
         cpu = p.get(M.process_cpu_utilization_ratio)
         threads = p.get("top_threads") or []
-        top = f"{threads[0]['name']} {threads[0]['cpu_ratio'] * 100:.0f}%" if threads else ""
-        table.add_row(str(p.get("gpu")), str(p.get("pid")), (p.get("process") or "?")[:16],
-                      three_colour_bar(white, grey, black, peak, bar_width),
-                      f"{fmt_bytes(white)} / {fmt_bytes(grey)} / {fmt_bytes(black)}",
+        top = f"{threads[0]['name']} {threads[0]['cpu_ratio'] * 100:.0f}%" if threads else (
+            f"? {p[M.process_thread_cpu_max_ratio] * 100:.0f}%" if p.get(M.process_thread_cpu_max_ratio) is not None
+            else "n/a")
+        table.add_row(str(p.get("gpu")), str(p.get("pid")), p.get("process") or "?",
+                      three_colour_bar(white, grey, black, peak, BAR_WIDTH if wide else 6),
+                      f"{fmt_bytes(white)} / {fmt_bytes(grey)} / {fmt_bytes(black)}" if wide
+                      else _bytes_compact(white, grey, black),
                       "n/a" if trend is None else fmt_bytes(trend),
                       "n/a" if cpu is None else f"{cpu * 100:.0f}%", top)
     return table
 
 
-def _engine_table(view: dict[str, Any]) -> Table:
-    table = Table(title="Engines", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    for col in ("engine", "running", "waiting", "KV usage", "preemptions", "TTFT p99", "ITL p99"):
-        table.add_column(col, no_wrap=True)
+def _bytes_compact(*layers: float | None) -> str:
+    """``30.2/31.7/32.2 GiB``: the three layers in the unit of the largest, for narrow terminals."""
+    known = [v for v in layers if v is not None]
+    if not known:
+        return "n/a"
+    unit = fmt_bytes(max(known)).split(" ")[1]
+    scale = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}.get(unit, 1)
+    return "/".join("n/a" if v is None else f"{v / scale:.1f}" for v in layers) + f" {unit}"
+
+
+def _latency_cell(lat: dict[str, Any], column: str) -> str:
+    q = lat.get(column) or {}
+    if q.get("p99") is None:
+        return "-" if lat.get("finished") == 0 else "n/a"
+    return f"{fmt_seconds(q.get('p50'))}/{fmt_seconds(q['p99'])}"
+
+
+def _window_words(lat: dict[str, Any]) -> str:
+    """"the last 60 s", or "the 12 s seen so far" while the window is still filling."""
+    window, covered = lat.get("window_s") or 0, lat.get("covered_s")
+    if covered is not None and covered < window - 0.5:
+        return f"the {covered:.0f} s seen so far"
+    return f"the last {window:.0f} s"
+
+
+def _engine_table(view: dict[str, Any], width: int) -> tuple[Table, Text]:
+    table = terminal_table("Engines")
+    identity_column(table, "engine", [e.get("engine") for e in view["engines"]])
+    for col in ("run", "wait", "KV usage", "preempt", "TTFT p50/p99", "ITL p50/p99"):
+        figure_column(table, col)
+    notes = Text()
     for e in view["engines"]:
-        ttft = (e.get(M.time_to_first_token_seconds) or {})
-        itl = (e.get(M.inter_token_latency_seconds) or {})
-        ttft_p99 = (ttft.get("window") or ttft).get("p99") if isinstance(ttft, dict) else None
-        itl_p99 = (itl.get("window") or itl).get("p99") if isinstance(itl, dict) else None
-        table.add_row(str(e.get("engine")), _fmt(e.get(M.num_requests_running), ".0f"),
-                      _fmt(e.get(M.num_requests_waiting), ".0f"), ratio_bar(e.get(M.kv_cache_usage_perc)),
-                      _fmt(e.get(M.num_preemptions_total), ".0f"), fmt_seconds(ttft_p99), fmt_seconds(itl_p99))
-    return table
+        lat = e.get("latency_window") or {}
+        running = e.get(M.num_requests_running)
+        table.add_row(str(e.get("engine")), _fmt(running, ".0f"), _fmt(e.get(M.num_requests_waiting), ".0f"),
+                      ratio_bar(e.get(M.kv_cache_usage_perc)) if width >= 120
+                      else Text(fmt_ratio(e.get(M.kv_cache_usage_perc)).replace(" ", "")),
+                      _fmt(e.get(M.num_preemptions_total), ".0f"),
+                      _latency_cell(lat, M.time_to_first_token_seconds),
+                      _latency_cell(lat, M.inter_token_latency_seconds))
+        if lat.get("finished") == 0:
+            notes.append(f"{e.get('engine')}: no request finished in {_window_words(lat)}"
+                         f" ({_fmt(running, '.0f')} running)\n", style="yellow")
+        elif lat.get("finished"):
+            notes.append(f"{e.get('engine')}: latency over {lat['finished']:.0f} requests finished in "
+                         f"{_window_words(lat)}\n", style="dim")
+    return table, notes
 
 
-def render(view: dict[str, Any], width: int = 200) -> Group:
-    """The whole screen for one view, for a terminal ``width`` columns wide."""
+def _findings_line(findings: list[dict[str, Any]]) -> Text:
+    if not findings:
+        return Text("agent: no open finding", style="green")
+    line = Text(f"agent: {len(findings)} open: ", style="bold")
+    for i, f in enumerate(findings):
+        if i:
+            line.append(", ")
+        gpu = "" if f.get("gpu") is None else f" gpu {f['gpu']}"
+        line.append(f"{f['kind']}{gpu}", style="bold red" if f.get("severity") == "critical" else "yellow")
+    return line
+
+
+def render(view: dict[str, Any], width: int = 200, *, interactive: bool = True) -> Group:
+    """The whole screen for one view, for a terminal ``width`` columns wide.
+
+    ``interactive``: the live view, which says how to quit; a single frame
+    (``--once``) does not.
+    """
     host = view.get("host") or {}
     head = Text(f"gpudiag top  {view['node']}  {time.strftime('%H:%M:%S', time.localtime(view['t']))}",
                 style="bold")
     if view.get("sim"):
         head.append(f"  [simulated GPU: {view['sim']}]", style="magenta")
-    if host:
-        head.append(f"   CPU {fmt_ratio(host.get(M.node_cpu_utilization_ratio))}"
-                    f"  load {_fmt(host.get(M.node_load1), '.2f')}"
-                    f"  mem {fmt_bytes(host.get(M.node_memory_used_bytes))}"
-                    f"/{fmt_bytes(host.get(M.node_memory_total_bytes))}"
-                    f"  swap {fmt_bytes(host.get(M.node_swap_used_bytes))}")
+    figures = [("CPU", host.get(M.node_cpu_utilization_ratio), fmt_ratio),
+               ("load", host.get(M.node_load1), lambda v: f"{v:.2f}"),
+               ("mem", host.get(M.node_memory_used_bytes),
+                lambda v: f"{fmt_bytes(v)}/{fmt_bytes(host.get(M.node_memory_total_bytes))}"),
+               ("swap", host.get(M.node_swap_used_bytes), fmt_bytes)]
+    known = [f"{label} {fmt(v)}" for label, v, fmt in figures if v is not None]  # the sim has CPU only
+    if known:
+        head.append("   " + "  ".join(known))
     parts: list[Any] = [head]
-    parts.append(_gpu_table(view) if view["gpus"] else Text("GPUs: none seen", style="yellow"))
-    bar_width = BAR_WIDTH if width >= 150 else 12
-    parts.append(_process_table(view, bar_width) if view["processes"]
-                 else Text("Processes: no GPU process seen", style="dim"))
+    if view.get("starting"):
+        parts.append(Text(f"starting: {view['starting']}", style="cyan"))
+    if "findings" in view:
+        parts.append(_findings_line(view["findings"]))
+    waiting = "waiting for the first sample" if view.get("starting") or not view.get("probes") else None
+    parts.append(_gpu_table(view, width) if view["gpus"] else Text(f"GPUs: {waiting or 'none seen'}",
+                                                                 style="dim" if waiting else "yellow"))
+    parts.append(_process_table(view, width) if view["processes"]
+                 else Text(f"Processes: {waiting or 'no GPU process seen'}", style="dim"))
     if view["engines"]:
-        parts.append(_engine_table(view))
+        table, latency_notes = _engine_table(view, width)
+        parts += [table, latency_notes]
     notes = Text()
     for name, error in view.get("errors", {}).items():
         notes.append(f"{name}: {error}\n", style="red")
@@ -343,14 +625,36 @@ def render(view: dict[str, Any], width: int = 200) -> Group:
         if not st.get("available") and st.get("reason") and name not in view.get("errors", {}):
             notes.append(f"{name}: {st['reason']}\n", style="yellow")
     parts.append(notes)
-    parts.append(Text("q quits", style="dim"))
+    if interactive:
+        parts.append(Text("q quits", style="dim"))
     return Group(*parts)
 
 
 # --- the command -----------------------------------------------------------------------
 
 
-def _run_live(model: TopModel, interval_s: float, console: Console) -> None:
+class _Opening:
+    """Opens the probes in a thread, so the first frame is drawn while they start (the simulator
+    generates its whole workload first: seconds)."""
+
+    def __init__(self, open_model):
+        self.model: TopModel | None = None
+        self.error: BaseException | None = None
+        self._open = open_model
+        self.done = threading.Event()
+        threading.Thread(target=self._run, name="gpudiag-top-open", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self.model = self._open()
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which raises it
+            self.error = exc
+        finally:
+            self.done.set()
+
+
+def _run_live(opening: _Opening, first: dict[str, Any], interval_s: float, console: Console) -> TopModel | None:
+    """Draw ``first`` at once, then a frame per interval once the probes are open; returns the model to close."""
     fd = sys.stdin.fileno() if sys.stdin and sys.stdin.isatty() else None
     saved = None
     if fd is not None:
@@ -360,23 +664,34 @@ def _run_live(model: TopModel, interval_s: float, console: Console) -> None:
         saved = termios.tcgetattr(fd)
         tty.setcbreak(fd)
     try:
-        with Live(render(model.tick(), console.width), console=console, screen=True, auto_refresh=False) as live:
-            next_tick = time.monotonic() + interval_s
+        with Live(render(first, console.width), console=console, screen=True, auto_refresh=False) as live:
+            live.refresh()
+            next_tick = time.monotonic()
             while True:
-                timeout = max(0.0, next_tick - time.monotonic())
+                model = opening.model
+                if opening.error is not None:
+                    raise opening.error
+                # While the probes open: wake often to draw the first sample as soon as they are up.
+                wait = next_tick - time.monotonic() if model is not None else 0.1
+                timeout = max(0.0, wait)
                 if fd is not None:
                     ready, _, _ = select.select([fd], [], [], timeout)
                     if ready:
                         key = os.read(fd, 32)
                         if b"q" in key.lower():
-                            return
+                            return opening.model
                         continue
                 else:
                     time.sleep(timeout)
-                next_tick += interval_s
+                if model is None:
+                    if not opening.done.is_set():
+                        first["t"] = time.time()
+                        live.update(render(first, console.width), refresh=True)
+                    continue
+                next_tick = max(next_tick + interval_s, time.monotonic())
                 live.update(render(model.tick(), console.width), refresh=True)
     except KeyboardInterrupt:
-        return
+        return opening.model
     finally:
         if saved is not None:
             import termios
@@ -395,21 +710,34 @@ def register(app: typer.Typer) -> None:
         once: Annotated[bool, typer.Option("--once", help="Print one frame and exit.")] = False,
         json_out: Annotated[bool, typer.Option("--json", help="With --once: one JSON document on stdout.")] = False,
         interval: Annotated[float, typer.Option("--interval", min=0.1, help="Seconds between frames.")] = 1.0,
+        latency_window: Annotated[str, typer.Option(
+            "--latency-window", metavar="DURATION",
+            help="TTFT and inter-token latency P50/P99 over this last span (60s, 2m): a minute holds enough "
+                 "finished requests for a P99 and matches dashboards' [1m] ranges.")] = DEFAULT_LATENCY_WINDOW,
         engine: Annotated[list[str] | None, typer.Option(
             "--engine", metavar="URL", help="A serving engine's /metrics URL (repeatable).")] = None,
         runtime_dir: Annotated[list[str] | None, typer.Option(
             "--runtime-dir", metavar="DIR", help="Where in-process reporters write (repeatable).")] = None,
+        store: Annotated[str | None, typer.Option(
+            "--store", metavar="PATH", help="An agent's store: name the findings open in it.")] = None,
         speed: Annotated[float, typer.Option(
             "--speed", min=0.01, help="With --sim: simulated seconds per second.")] = 1.0,
         seed: Annotated[int, typer.Option("--seed", help="With --sim: the workload's random seed.")] = 0,
     ) -> None:
-        """A live view: GPUs, each process's three memory colours and host CPU, engine queue and KV usage."""
+        """A live view: GPUs, each process's three memory colours and host CPU, engine queue, KV usage, latency."""
         if json_out and not once:
             raise GpudiagError("--json prints one frame: use it with --once")
-        probes = open_probes(sim, speed=speed, seed=seed, engine_urls=engine or [], runtime_dirs=runtime_dir or None)
-        model = TopModel(probes, sim=sim)
-        try:
-            if once:
+        window_s = parse_duration(latency_window)
+        findings = OpenFindings(store) if store else None
+
+        def open_model() -> TopModel:
+            probes = open_probes(sim, speed=speed, seed=seed, engine_urls=engine or [],
+                                 runtime_dirs=runtime_dir or None)
+            return TopModel(probes, sim=sim, latency_window_s=window_s, findings=findings)
+
+        if once:
+            model = open_model()
+            try:
                 model.tick()  # CPU figures and trends are differences: take a baseline first
                 time.sleep(min(interval, 1.0))
                 view = model.tick()
@@ -417,8 +745,20 @@ def register(app: typer.Typer) -> None:
                     sys.stdout.write(json.dumps(_json_safe(view), indent=1) + "\n")
                 else:
                     console = Console()
-                    console.print(render(view, console.width))
-                return
-            _run_live(model, interval, Console())
+                    console.print(render(view, console.width, interactive=False))
+            finally:
+                model.close()
+            return
+        waiting_for = (f"the simulated GPU ({sim}): generating its workload" if sim is not None
+                       else "opening NVML, the host and the engines")
+        opening = _Opening(open_model)
+        model = None
+        try:
+            model = _run_live(opening, starting_view(sim, waiting_for), interval, Console())
         finally:
-            model.close()
+            if model is None and findings is not None:
+                findings.close()
+            if model is None:
+                opening.done.wait(timeout=0)  # still opening: the daemon thread ends with the process
+            else:
+                model.close()
