@@ -194,16 +194,29 @@ CHECKS = (
     Check("finished requests (TTFT, TPOT)", "request", M.inter_token_latency_seconds,
           "the engine reported no per-request latencies", ("latency_regression",), also_kind="engine"),
     Check("CUDA API (eBPF)", "cuda_api", None,
-          "no eBPF data: the CUDA API probe needs root (or CAP_BPF+CAP_PERFMON) and bcc, and is not used "
-          "with --sim", ("degenerate_kernel_launch", "cpu_starved_gpu")),
+          "no eBPF data in this window: the agent's eBPF probe did not run, or saw no CUDA call (it needs root "
+          "or CAP_BPF+CAP_PERFMON, bcc and kernel headers, and is off with --sim or probes.ebpf = \"off\"; the "
+          "agent's log says which)", ("degenerate_kernel_launch", "cpu_starved_gpu")),
     Check("host CPU", "node", M.node_cpu_utilization_ratio, "no host rows: the procfs probe did not run",
           ("cpu_starved_gpu",)),
 )
 
 
+# The eBPF probe ran in a window that holds its host tracepoints' rows (no other source writes them).
+EBPF_RAN_BUT_SAW_NO_CUDA = ("the eBPF probe ran but saw no CUDA runtime or driver call: no process on the node "
+                            "called a CUDA library while it was probed (the agent's always-on probe leaves "
+                            "kernel launches unprobed)")
+
+
+def _why_missing(check: Check, window: Window) -> str:
+    if check.kind == "cuda_api" and window.has("node", M.host_oom_kills_total):
+        return EBPF_RAN_BUT_SAW_NO_CUDA
+    return check.why_missing
+
+
 def gaps(window: Window) -> list[dict[str, Any]]:
     """What could not be checked in this window: each missing view, why, and the analyzers it blinds."""
-    out = [{"check": c.name, "kind": c.kind, "column": c.column, "reason": c.why_missing,
+    out = [{"check": c.name, "kind": c.kind, "column": c.column, "reason": _why_missing(c, window),
             "analyzers": list(c.analyzers)}
            for c in CHECKS if not (window.has(c.kind, c.column) or (c.also_kind and window.has(c.also_kind, c.column)))]
     out.extend({"check": "source", "kind": None, "column": None, "reason": g, "analyzers": []} for g in window.gaps)

@@ -619,6 +619,27 @@ def test_a_command_that_cannot_run_is_one_line_and_exit_2_without_a_summary(tmp_
         assert res.stderr.splitlines() == [f"gpudiag: error: cannot run {command}: {why}"]
 
 
+@needs_ebpf
+def test_a_window_in_which_the_agents_ebpf_probe_ran_does_not_blame_root_or_bcc_for_its_gap(tmp_path):
+    store = tmp_path / "s.db"
+    agent = subprocess.Popen([sys.executable, "-m", "gpudiag", "agent", "--store", str(store),
+                              "--listen", "127.0.0.1:0"], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        for line in agent.stderr:  # the probe's first tick compiles and attaches: it ran
+            if "probe ebpf: first tick" in line or time.monotonic() > deadline:
+                break
+        time.sleep(3)  # a few more ticks reach the store
+    finally:
+        agent.terminate()
+        agent.communicate(timeout=60)
+    res = subprocess.run([sys.executable, "-m", "gpudiag", "investigate", "--store", str(store), "--json"],
+                         check=False, capture_output=True, text=True, timeout=120)
+    assert res.returncode in (0, 1), res.stderr
+    reasons = [g["reason"] for g in json.loads(res.stdout)["gaps"] if g["check"] == "CUDA API (eBPF)"]
+    assert all(r.startswith("the eBPF probe ran but saw no CUDA runtime or driver call") for r in reasons), reasons
+
+
 def _without_bpf_privileges(argv: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``argv`` without the privileges BPF needs. As root: still uid 0, with every capability
     dropped, so the checkout stays readable wherever it lives (a clone under /root, or a home
