@@ -635,7 +635,7 @@ def test_a_window_in_which_the_agents_ebpf_probe_ran_does_not_blame_root_or_bcc_
         agent.communicate(timeout=60)
     res = subprocess.run([sys.executable, "-m", "gpudiag", "investigate", "--store", str(store), "--json"],
                          check=False, capture_output=True, text=True, timeout=120)
-    assert res.returncode in (0, 1), res.stderr
+    assert res.returncode in (0, 1, 3), res.stderr  # 3: inconclusive (a short window)
     reasons = [g["reason"] for g in json.loads(res.stdout)["gaps"] if g["check"] == "CUDA API (eBPF)"]
     assert all(r.startswith("the eBPF probe ran but saw no CUDA runtime or driver call") for r in reasons), reasons
 
