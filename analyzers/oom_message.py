@@ -121,6 +121,11 @@ def _time(text: str) -> float | None:
     return t.timestamp() + (int(frac) / 10 ** len(frac) if frac else 0.0)
 
 
+def is_oom_line(text: str) -> bool:
+    """True for a line holding a CUDA out-of-memory message of either form."""
+    return "out of memory" in text and "Tried to allocate" in text and bool(_NEW.search(text) or _OLD.search(text))
+
+
 def parse(lines: Iterable[str]) -> list[OomEvent]:
     """Every CUDA out-of-memory message in ``lines`` (one OOM logged twice stays twice:
     :func:`events` collapses them)."""

@@ -34,15 +34,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,8 +48,6 @@ sys.path.insert(0, str(REPO / "tests"))
 import real_corpus as rc  # noqa: E402  (the corpus' one description, shared with the tests)
 
 SEVERITY_RANK = {"info": 0, "warning": 1, "critical": 2}
-PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
-PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 COMMAND_TIMEOUT_S = 300
 
 
@@ -156,119 +150,65 @@ def snapshot_verdicts() -> list[Judged]:
 
 
 # ------------------------------------------------------------------------------------------ vLLM
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get_json(url: str):
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return json.load(r)
-
-
-class BackfilledPrometheus:
-    """A real Prometheus over a TSDB backfilled from OpenMetrics text (retention long enough
-    for samples recorded months ago)."""
-
-    def __init__(self, workdir: Path, openmetrics: Path):
-        for tool in (PROMETHEUS, PROMTOOL):
-            if not os.path.exists(tool):
-                raise SetupError(f"{tool} not found: install Debian's prometheus package "
-                                 "(scripts/system-deps.d/20-prometheus.sh)")
-        made = subprocess.run([PROMTOOL, "tsdb", "create-blocks-from", "openmetrics", "-q", str(openmetrics),
-                               str(workdir / "tsdb")], capture_output=True, text=True, timeout=900)
-        if made.returncode != 0:
-            raise SetupError(f"promtool could not backfill: {made.stderr.strip()[-300:]}")
-        (workdir / "prometheus.yml").write_text("scrape_configs: []\n")
-        port = _free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = open(workdir / "prometheus.log", "wb")
-        self.proc = subprocess.Popen(
-            [PROMETHEUS, f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'tsdb'}",
-             "--storage.tsdb.retention.time=100y", f"--web.listen-address=127.0.0.1:{port}"],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
-        while True:
-            if self.proc.poll() is not None:
-                raise SetupError(f"prometheus exited with {self.proc.returncode} (log: {workdir / 'prometheus.log'})")
-            try:
-                if urllib.request.urlopen(f"{self.url}/-/ready", timeout=2).status == 200:
-                    break
-            except (OSError, urllib.error.URLError):
-                pass
-            if time.monotonic() > deadline:
-                raise SetupError("prometheus not ready within 120 s")
-            time.sleep(0.25)
-
-    def count(self, expr: str, at: float) -> float:
-        """The value of a scalar-valued query at ``at`` (0 when empty)."""
-        q = urllib.parse.urlencode({"query": expr, "time": f"{at:.3f}"})
-        res = _get_json(f"{self.url}/api/v1/query?{q}")["data"]["result"]
-        return float(res[0]["value"][1]) if res else 0.0
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self.log.close()
-
-
-def _run_span(run: rc.InferenceXRun) -> tuple[float, float, int]:
-    import csv
-    import gzip
-
-    with gzip.open(run.path, "rt", newline="") as fh:
-        ts = [float(r["timestamp_sec"]) for r in csv.DictReader(fh)]
-    if not ts:
-        raise SetupError(f"{run.path.name}: no rows")
-    return min(ts), max(ts), len(ts)
+# promtool writes two-hour blocks: the runs are moved to start together in one, ending before now.
+BLOCK_S = 7200
+MARGIN_S = 600
+# A range query's last step falls up to a step before --to: each window runs past its last scrape.
+END_SLACK_S = 2.0
 
 
 def vllm_verdicts(via: str, workdir: Path) -> list[Judged]:
-    """The InferenceX runs, through Prometheus (or ``investigate --file``)."""
-    runs = rc.inferencex_runs()
+    """The InferenceX runs through a real Prometheus (or ``investigate --file`` over the same text)."""
+    import prometheus_support as ps
+    import real_vllm
+
+    runs = real_vllm.runs()
     if len(runs) != 72:
         raise SetupError(f"inferencex/index.csv lists {len(runs)} runs, not 72")
-    named = [(run, f"run{i:02d}") for i, run in enumerate(runs)]
+    t0 = (int(time.time() - max(r.duration_s for r in runs) - MARGIN_S) // BLOCK_S) * BLOCK_S
     om = workdir / "inferencex.om"
     with open(om, "w") as fh:
-        for line in rc.inferencex_openmetrics(named):
-            fh.write(line + "\n")
-    spans = {run.run: _run_span(run) for run in runs}
-    prom = BackfilledPrometheus(workdir, om) if via == "prometheus" else None
-    out = []
+        spans = real_vllm.write_openmetrics(runs, fh, t0)
+    prom = url = log = None
     try:
-        for run, instance in named:
-            lo, hi, rows = spans[run.run]
+        if via == "prometheus":
+            try:
+                ps.backfill(om, workdir / "tsdb")
+                prom, url, log = ps.start_prometheus(workdir, [])
+            except BaseException as e:  # the support module fails the way a test fails
+                raise SetupError(f"no backfilled Prometheus: {e}") from None
+        out = []
+        for run in runs:
+            first, last = spans[run.node]
+            rows = len(real_vllm.rows(run))
             if prom is not None:
-                # Input check: every run's scrapes landed (the running-requests gauge at its last sample).
-                landed = prom.count(f'count_over_time(vllm:num_requests_running{{instance="{instance}:8000"}}'
-                                    f'[{int(hi - lo) + 2}s])', hi)
-                if landed < rows * 0.99:
-                    raise SetupError(f"{run.short}: {landed:.0f} of {rows} scrapes queryable in Prometheus")
-            j = Judged("vllm", run.short, rc.inferencex_expect(run))
-            if via == "prometheus":
-                args = ["investigate", "--prometheus", prom.url, "--node", instance]
+                # Input check: every scrape of the run landed (its running-requests gauge).
+                q = urllib.parse.urlencode({"query": f'count_over_time(vllm:num_requests_running'
+                                                     f'{{instance="{run.node}:{real_vllm.PORT}"}}'
+                                                     f'[{int(last - first) + 2}s])', "time": f"{last:.3f}"})
+                res = ps.get_json(f"{url}/api/v1/query?{q}")["data"]["result"]
+                landed = float(res[0]["value"][1]) if res else 0.0
+                if landed < rows:
+                    raise SetupError(f"{run.node}: {landed:.0f} of {rows} scrapes queryable in Prometheus")
+                args = ["investigate", "--prometheus", url, "--node", run.node]
             else:
-                single = workdir / f"{instance}.om"
-                single.write_text("\n".join(rc.inferencex_openmetrics([(run, instance)])) + "\n")
+                single = workdir / f"{run.node}.om"
+                with open(single, "w") as fh:
+                    real_vllm.write_openmetrics([run], fh, t0)
                 args = ["investigate", "--file", str(single)]
-            p = gpudiag(*args, "--from", f"{lo:.3f}", "--to", f"{hi:.3f}", "--json")
+            j = Judged("vllm", run.node, rc.inferencex_expect(run))
+            p = gpudiag(*args, "--from", f"{first:.3f}", "--to", f"{last + END_SLACK_S:.3f}", "--json")
             doc = _json_or_unjudged(p, j)
             if doc is not None:
                 j.findings = doc.get("findings", [])
-            j.figures = {"preemptions": run.preemptions, "kv_max_pct": run.kv_max_pct,
-                         "waiting_max": run.waiting_max}
+            j.figures = {"preemptions": run.preemptions, "kv_max": run.kv_max_ratio, "waiting_max": run.waiting_max}
             out.append(j)
-            print(f"  {run.short:36s} {_verdict_text(j)}", file=sys.stderr, flush=True)
+            print(f"  {run.node:40s} {_verdict_text(j)}", file=sys.stderr, flush=True)
+        return out
     finally:
         if prom is not None:
-            prom.close()
-    return out
+            ps.stop(prom)
+            log.close()
 
 
 # ----------------------------------------------------------------------------------------- files

@@ -10,17 +10,12 @@ the facts known of it). This module is the one place that names them for the tes
   and lowest severity) -- everything else must stay below warning;
 - the reference figures MANIFEST.md gives (HTA's idle / compute / non-compute of each trace,
   each snapshot's reserved / allocated / largest free / releasable);
-- :func:`inferencex_openmetrics`: a run of the InferenceX vLLM benchmark, whose CSV keeps the
-  benchmark's own column names, turned back into the vLLM V1 series it was scraped from, as
-  OpenMetrics text with timestamps (what ``promtool tsdb create-blocks-from openmetrics``
-  backfills and ``investigate --file`` reads).
+- :func:`inferencex_expect`: the verdict each InferenceX vLLM run deserves (``real_vllm``
+  turns the runs back into vLLM's series).
 """
 
 from __future__ import annotations
 
-import csv
-import gzip
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -92,96 +87,20 @@ def as_manifest_rounds(value_bytes: float, written: str) -> float:
 # The OOM of Constructor-Sun.pickle, replayed from its device trace up to the oom event.
 OOM_REQUEST_MIB, OOM_POOL_FREE_MIB, OOM_DEVICE_FREE_MIB = 5063, 133, 91
 
-# ---- InferenceX: 72 runs of a real vLLM V1 on B200.
-INFERENCEX = ("series", "inferencex")
-# Preemptions per run at which a run is a storm: hundreds in a quarter of an hour with the KV
-# cache pinned full is the engine thrashing; a handful in half an hour is its capacity edge.
+# ---- InferenceX: 72 runs of a real vLLM V1 on B200 (tests/real_vllm.py writes them back as
+# vLLM's series). Preemptions per run at which a run is a storm: hundreds in a quarter of an
+# hour with the KV cache pinned full is the engine thrashing; a handful in half an hour is its
+# capacity edge.
 STORM_PREEMPTIONS = 50
 
 
-@dataclass(frozen=True)
-class InferenceXRun:
-    """One row of inferencex/index.csv."""
-
-    run: str
-    short: str
-    path: Path
-    duration_s: float
-    kv_max_pct: float
-    waiting_max: int
-    preemptions: int
-    command: str
-
-
-def inferencex_runs() -> list[InferenceXRun]:
-    """Every run of the InferenceX corpus, in index order."""
-    folder = real(*INFERENCEX)
-    runs = []
-    with open(folder / "index.csv", newline="") as fh:
-        for row in csv.DictReader(fh):
-            name = row["run"]
-            short = name.replace("sweep_results_20260204_062339__", "").replace("pareto_input__agentic_", "")
-            short = short.split("_fp4_")[0]
-            runs.append(InferenceXRun(run=name, short=short, path=folder / f"{name}.csv.gz",
-                                      duration_s=float(row["duration_s"]), kv_max_pct=float(row["kv_max_pct"]),
-                                      waiting_max=int(row["waiting_max"]), preemptions=int(row["preemptions"]),
-                                      command=row["vllm_command"]))
-    return runs
-
-
-def inferencex_expect(run: InferenceXRun) -> Expect:
-    """Hundreds of preemptions at a full KV cache: a storm (demand over capacity, vLLM is
-    paged). A handful, or none: calm, at most the capacity edge as info."""
+def inferencex_expect(run) -> Expect:
+    """The verdict a run of ``real_vllm.runs()`` deserves: hundreds of preemptions at a full KV
+    cache are a storm (demand over capacity: vLLM is paged); a handful, or none, are calm."""
     if run.preemptions >= STORM_PREEMPTIONS:
-        return Expect(f"{run.preemptions} preemptions at a KV cache {run.kv_max_pct:g} % full, "
+        return Expect(f"{run.preemptions} preemptions at a KV cache {run.kv_max_ratio:.0%} full, "
                       f"{run.waiting_max} waiting", {"kv_eviction_storm": "warning"})
     return Expect(f"{run.preemptions} preemptions in {run.duration_s:.0f} s: not a storm")
-
-
-# The benchmark's columns -> vLLM V1's series (vllm/v1/metrics/loggers.py): name, type, scale.
-INFERENCEX_SERIES: tuple[tuple[str, str, str, float], ...] = (
-    ("kv_cache_usage_pct", "vllm:kv_cache_usage_perc", "gauge", 0.01),
-    ("num_requests_running", "vllm:num_requests_running", "gauge", 1.0),
-    ("num_requests_waiting", "vllm:num_requests_waiting", "gauge", 1.0),
-    ("num_preemptions_total", "vllm:num_preemptions", "counter", 1.0),
-    ("prefix_cache_hits", "vllm:prefix_cache_hits", "counter", 1.0),
-    ("prefix_cache_queries", "vllm:prefix_cache_queries", "counter", 1.0),
-    ("prompt_tokens_total", "vllm:prompt_tokens", "counter", 1.0),
-    ("generation_tokens_total", "vllm:generation_tokens", "counter", 1.0),
-    ("request_success_total", "vllm:request_success", "counter", 1.0),
-)
-
-
-def _model_name(command: str) -> str:
-    parts = command.split()
-    return parts[2] if len(parts) > 2 and parts[:2] == ["vllm", "serve"] else "unknown"
-
-
-def inferencex_openmetrics(runs: list[tuple[InferenceXRun, str]], *, eof: bool = True) -> Iterator[str]:
-    """The runs' scrapes as vLLM's series, OpenMetrics lines with Unix-second timestamps.
-
-    ``runs`` pairs each run with the instance name its series carry. Labels are vLLM's
-    (``model_name``, ``engine``) plus ``instance`` (``host:port``, as Prometheus adds when it
-    scrapes) and ``job``. A family is written once with every run's samples (OpenMetrics
-    forbids a family in two places). Blank cells (a scrape that missed a series) are left
-    out, as a missing sample."""
-    tables = []
-    for run, instance in runs:
-        with gzip.open(run.path, "rt", newline="") as fh:
-            rows = list(csv.DictReader(fh))
-        labels = f'instance="{instance}:8000",job="vllm",model_name="{_model_name(run.command)}",engine="0"'
-        tables.append((labels, rows))
-    for column, name, kind, scale in INFERENCEX_SERIES:
-        yield f"# TYPE {name} {kind}"
-        suffix = "_total" if kind == "counter" else ""
-        for labels, rows in tables:
-            for row in rows:
-                cell = row.get(column, "")
-                if cell in ("", None):
-                    continue
-                yield f"{name}{suffix}{{{labels}}} {float(cell) * scale:.6g} {float(row['timestamp_sec']):.3f}"
-    if eof:
-        yield "# EOF"
 
 
 # ---- The verdict each artifact deserves.
@@ -228,6 +147,9 @@ FILE_EXPECT: dict[tuple[str, ...], Expect] = {
     ("series", "nvidia-smi", "singroup_ters_gen__H200__gpu_usage.log"): Expect(_HEALTHY_LOG),
     ("series", "nvidia-smi", "xypp3_gpu_glasses__8x80GB__nvidia_smi.csv"): Expect(_HEALTHY_LOG),
     ("series", "dcgm", "dcgm_metrics_20250718_134233.csv"): Expect("a cross-section of 247 healthy H100s"),
+    ("series", "incidents", "qhy991_grpo__gpu_monitor__OOM.log.gz"): Expect(
+        "training OOMed on a GPU another process held (78.54 of 79.15 GiB): a co-tenant, and harm done",
+        {"gpu_cotenant": "critical"}),
 }
 
 
@@ -244,7 +166,9 @@ def check_corpus() -> None:
     for parts in FILE_EXPECT:
         if not real(*parts).is_file():
             problems.append("/".join(parts))
-    runs = inferencex_runs() if real(*INFERENCEX, "index.csv").is_file() else []
+    import real_vllm
+
+    runs = real_vllm.runs() if (real_vllm.INFERENCEX / "index.csv").is_file() else []
     if len(runs) != 72:
         problems.append(f"inferencex: {len(runs)} runs, not 72")
     problems += [f"inferencex/{r.path.name}" for r in runs if not r.path.is_file()]

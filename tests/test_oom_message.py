@@ -68,3 +68,29 @@ def _one_count(lines):
 
 def test_lines_without_an_oom_give_no_finding():
     assert oom.findings(oom.parse(["CUDA error: out of memory", "all good", ""])) == []
+
+
+def test_investigate_file_reads_a_log_of_oom_messages_and_names_the_other_tenant(tmp_path, capsys):
+    import json
+
+    from gpudiag.cli import main
+
+    log = tmp_path / "train.log"
+    log.write_text("\n".join(["2025-06-10 16:00:00,000 - INFO - step 1", NEW_COTENANT, NEW_COTENANT,
+                              "2025-06-10 16:04:00,000 - INFO - exiting"]) + "\n")
+    code = main(["investigate", "--file", str(log), "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 1
+    (f,) = [f for f in doc["findings"] if f["kind"] == "gpu_cotenant"]
+    assert f["severity"] == "critical" and "3295240" in f["summary"]
+    assert doc["files"][0]["format"] == "oom-log" and doc["files"][0]["rows"] == 2
+
+
+def test_a_log_without_an_oom_message_is_not_a_format_gpudiag_reads(tmp_path, capsys):
+    from gpudiag.cli import main
+
+    log = tmp_path / "train.log"
+    log.write_text("2025-06-10 16:00:00,000 - INFO - step 1\nall good\n")
+    assert main(["investigate", "--file", str(log)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "out of memory" in err[0]

@@ -100,7 +100,8 @@ def investigate(
         else:
             window = I.load_store_window(store, since=since, start=start, end=end, node=node, gpu=gpu)
             bar.long = window.end_s - window.start_s >= PROGRESS_MIN_WINDOW_S
-        findings = _analyze(window, bar)
+        logged = [f for r in reads for f in r.findings] if files else []
+        findings = _analyze(window, bar, logged)
         bar("report", 0, 1)
         covered = I.coverage(window)
         doc = I.document(window, findings, covered)
@@ -159,11 +160,12 @@ class _Progress:
             self._bar = None
 
 
-def _analyze(window, progress) -> list:
-    """Every analyzer of the registry over the window, one progress step each, concluded as run_all does."""
+def _analyze(window, progress, logged: list | None = None) -> list:
+    """Every analyzer of the registry over the window, one progress step each, concluded as run_all does;
+    ``logged``: findings read from logs (out-of-memory messages), joined before the chain is made."""
     from gpudiag.analyzers.registry import ANALYZERS, conclude
 
-    findings = []
+    findings = list(logged or [])
     for i, (kind, analyze) in enumerate(ANALYZERS.items()):
         progress(f"analyzer {kind}", i, len(ANALYZERS))
         findings.extend(analyze(window))

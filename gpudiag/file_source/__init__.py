@@ -15,7 +15,11 @@ analyzers and report. The formats (:data:`FORMATS`):
   exported from a Prometheus);
 - ``prometheus-text`` and ``openmetrics``: exposition text, one scrape or
   many concatenated, with timestamps or without (:mod:`.exposition`);
-- ``scrape-folder``: a folder of scrapes, one file each.
+- ``scrape-folder``: a folder of scrapes, one file each;
+- ``oom-log``: a program's log holding PyTorch "CUDA out of memory" messages
+  (:mod:`gpudiag.analyzers.oom_message`): no samples, but each OOM says whose
+  memory it met (another process, the pool's holes, or the process itself),
+  and its findings join the window's.
 
 Time: a recorded file ends where its data ends, so the window is the whole
 span of the files unless ``--from``/``--to`` select within it; ``--since``
@@ -31,11 +35,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from gpudiag.analyzers import oom_message
 from gpudiag.errors import GpudiagError
 from gpudiag.frames import Window
 
 from . import exposition, nvidia_smi
-from .lines import ProgressFn, file_size, head
+from .lines import ProgressFn, file_size, head, lines
 from .recording import FileRead, Recording, build_window
 
 FORMATS = {
@@ -44,6 +49,7 @@ FORMATS = {
     "prometheus-text": "Prometheus text from /metrics (dcgm-exporter, vLLM, gpudiag), one scrape or many",
     "openmetrics": "OpenMetrics with timestamps (what promtool tsdb create-blocks-from openmetrics takes)",
     "scrape-folder": "a folder of /metrics scrapes, one file each",
+    "oom-log": "a log holding PyTorch 'CUDA out of memory' messages",
 }
 # Lines looked at to recognise a format.
 SNIFF_LINES = 50
@@ -86,6 +92,8 @@ def detect(path: Path) -> str:
         return "dcgm-csv"
     if nvidia_smi.is_header(sample[0]) or nvidia_smi.looks_headerless(sample):
         return "nvidia-smi"
+    if any(oom_message.is_oom_line(text) for _, text in lines(path) if text is not None):
+        return "oom-log"
     raise GpudiagError(f"{path}: not a format gpudiag reads (it begins {sample[0][:60]!r}); it reads: "
                        f"{_known_formats()}")
 
@@ -132,8 +140,22 @@ def resolve_window(time_range: tuple[float, float], *, since: str | None, start:
     return max(lo, first), min(hi, last)
 
 
+def _read_oom_log(path: Path, read: FileRead, node: str, progress: ProgressFn | None) -> None:
+    parsed = oom_message.parse(text or "" for _, text in lines(path, progress))
+    read.rows = len(parsed)
+    read.findings = oom_message.findings(parsed, node)
+    times = [e.time_s for e in parsed if e.time_s is not None]
+    if times:
+        read.start_s, read.end_s = min(times), max(times)
+    read.notes.append(f"{len(parsed)} CUDA out-of-memory messages, {len(oom_message.events(parsed))} OOMs once "
+                      "repeats are merged")
+
+
 def _read(path: Path, fmt: str, rec: Recording, source: int, entities, progress: ProgressFn | None) -> None:
     node = node_name(path)
+    if fmt == "oom-log":
+        _read_oom_log(path, rec.reads[source], node, progress)
+        return
     if fmt == "nvidia-smi":
         nvidia_smi.read(path, rec, source, node, progress)
     elif fmt == "dcgm-csv":
@@ -187,6 +209,13 @@ def load_window(paths: list[str], *, since: str | None = None, start: str | None
         rec.reads.append(FileRead(str(path), fmt))
         _read(p, fmt, rec, source, entities, progress)
     time_range = rec.time_range()
+    logged = [f for r in rec.reads for f in r.findings]
+    if time_range is None and logged:
+        # Logs alone: the window is the span of their events, with no samples in it.
+        times = [t for f in logged for t in (f.start_s, f.end_s)]
+        lo, hi = resolve_window((min(times), max(times) + 1.0), since=since, start=start, end=end)
+        return Window({}, lo, hi, logged[0].node, [f"file:{r.path}" for r in rec.reads],
+                      ["no samples: the files are logs, read for their out-of-memory messages"]), rec.reads
     if time_range is None:
         raise GpudiagError("the files hold no sample gpudiag reads")
     lo, hi = resolve_window(time_range, since=since, start=start, end=end)

@@ -75,6 +75,7 @@ class FileRead:
     notes: list[str] = field(default_factory=list)
     start_s: float | None = None
     end_s: float | None = None
+    findings: list[Any] = field(default_factory=list)  # an oom-log's findings (they join the window's)
 
     def skip(self, line: int, text: str | None, why: str) -> None:
         """Count one skipped line; the earliest one is quoted."""
