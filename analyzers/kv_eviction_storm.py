@@ -244,9 +244,13 @@ class _EngineView:
 def _storm(v: _EngineView, detected: float, end: float, tpots, base_tpot, gpu_df) -> Finding | None:
     """The finding for one episode, or None when no harm shows (see the module docstring)."""
     t = v.t
-    # Rates look back RATE_WINDOW_S: the storm began up to a window before it was detected.
+    # Rates look back RATE_WINDOW_S: the storm began up to a window before it was detected. Its
+    # figures count from there; its start is its first eviction in that look-back (a cause
+    # found in the chain must start no later than this, so the start must not be early).
     start = max(float(t[0]), detected - RATE_WINDOW_S)
     sel = (t >= start) & (t <= end)
+    rose = np.flatnonzero((t >= start) & (t <= detected) & (np.diff(v.ev, prepend=v.ev[:1]) > 0))
+    onset = float(t[rose[0]]) if rose.size else start
     n_ev = float(v.ev[sel].max() - v.ev[sel].min())
     mean_rate = n_ev / max(end - start, 1.0)
     share = _recompute_share(v.e, sel)
@@ -293,7 +297,7 @@ def _storm(v: _EngineView, detected: float, end: float, tpots, base_tpot, gpu_df
         parts.append(f"; TPOT P99 {_ms(tpot)} vs {_ms(base_tpot)} baseline")
     parts.append(_cause_text(cause, v.paged, fill))
     return Finding(
-        kind=KIND, severity=Severity.CRITICAL if critical else Severity.WARNING, start_s=start, end_s=end,
+        kind=KIND, severity=Severity.CRITICAL if critical else Severity.WARNING, start_s=onset, end_s=end,
         node=v.key.get("node"), gpu=label_int(v.key.get("gpu")), summary="".join(parts),
         evidence=[
             Evidence("kv_evictions_per_second", float(v.rate[sel].max()), 0.0, EVICTION_RATE_THRESHOLD, ""),

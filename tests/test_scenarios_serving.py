@@ -340,7 +340,11 @@ def test_lfu_with_time_decay_keeps_early_turns_and_the_inter_token_jitter_shrink
 
 def test_a_shared_prefix_without_prefix_caching_overflows_the_kv_pool(runs):
     res, doc = runs["prefix-sharing", None]
-    assert_heads_the_chain_alone(res, "kv_eviction_storm")
+    # The shared prompts fill the pool: decode slows (latency_regression, from about 5 min) two
+    # minutes before the first eviction (the storm, from about 7 min). Both come of the same
+    # demand; a storm that starts later cannot be the latency's cause, so both head the chain.
+    roots = {f.kind for f in res.findings if not f.caused_by}
+    assert roots <= {"kv_eviction_storm", "latency_regression"} and "kv_eviction_storm" in roots
     storm = only(res, "kv_eviction_storm")
     assert storm.start_s >= scenarios_serving.SHARING_BUSY[0]
     # The pool is full of tokens, not of holes: the suggested fix is to share them.
