@@ -225,6 +225,21 @@ def file_verdicts() -> list[Judged]:
             if doc is not None:
                 j.findings = doc.get("findings", [])
         out.append(j)
+    # Alibaba's production pod trace, as dcgm-exporter would export it (tests/recorded_telemetry.py).
+    j = Judged("file", "alibaba/pods (as dcgm OpenMetrics)",
+               rc.Expect("production serving; memory drops over 10 GB are routine model swaps"))
+    if not has_file:
+        j.unjudged = "this gpudiag has no `investigate --file`"
+    else:
+        from recorded_telemetry import alibaba_openmetrics
+
+        with tempfile.TemporaryDirectory(prefix="bench-verdicts-") as tmp:
+            path = Path(tmp) / "alibaba_pods.om"
+            alibaba_openmetrics(path)
+            doc = _json_or_unjudged(gpudiag("investigate", "--file", str(path), "--json"), j)
+        if doc is not None:
+            j.findings = doc.get("findings", [])
+    out.append(j)
     return out
 
 
