@@ -121,6 +121,23 @@ def deep_clean(v):
     return _clean(v)
 
 
+def json_ready(value: Any) -> Any:
+    """``value`` as JSON takes it: NaN and infinities become null, numpy scalars numbers, keys strings,
+    anything else its text. Every ``--json`` writer applies it before ``json.dumps`` (unlike
+    :func:`deep_clean`, floats keep every digit)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(v) for v in value]
+    if isinstance(value, (str, int, bool)) or value is None:
+        return value
+    if hasattr(value, "item"):  # a numpy scalar
+        return json_ready(value.item())
+    return str(value)
+
+
 def worst_severity(findings: list[Finding]) -> Severity | None:
     """The highest severity among findings, or None for an empty list."""
     if not findings:

@@ -38,6 +38,7 @@ from datetime import datetime, timezone
 from typing import Annotated, Any
 
 from gpudiag.errors import GpudiagError
+from gpudiag.findings import json_ready
 
 log = logging.getLogger("gpudiag.mcp")
 
@@ -66,23 +67,6 @@ SUMMARY_MAX_FINDINGS = 10
 
 # --- the documents -----------------------------------------------------------------------------
 
-
-def json_ready(value: Any) -> Any:
-    """``value`` as JSON takes it: NaN and infinities become null, numpy scalars numbers, keys strings.
-
-    The commands' ``--json`` writers apply the same rule before ``json.dumps``.
-    """
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {str(k): json_ready(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_ready(v) for v in value]
-    if isinstance(value, (str, int, bool)) or value is None:
-        return value
-    if hasattr(value, "item"):  # a numpy scalar
-        return json_ready(value.item())
-    return str(value)
 
 
 class AllowedDirs:
@@ -146,11 +130,12 @@ def investigation(allowed: AllowedDirs, *, store: str | None = None, prometheus:
     confined like every other path, and its loader is called where the other sources' are.
     """
     from gpudiag import investigate as I
-    from gpudiag.analyzers.registry import run_all
+    from gpudiag.analyzers.registry import ANALYZERS, conclude
 
+    reads: list = []
     given = [name for name, value in (("store", store), ("prometheus", prometheus), ("files", files)) if value]
     if len(given) != 1:
-        raise GpudiagError("give the window's source: store (the agent's store file) or prometheus (a URL)"
+        raise GpudiagError("give the window's source: store (the agent's store file), prometheus (a URL) or files"
                            + (f", one of them, not {' and '.join(given)}" if given else ""))
     if step is not None and prometheus is None:
         raise GpudiagError("step applies to prometheus only (a store holds every sample)")
@@ -160,14 +145,21 @@ def investigation(allowed: AllowedDirs, *, store: str | None = None, prometheus:
         window = promql_source.load_window(prometheus, since=since, start=start, end=end, node=node, gpu=gpu,
                                            step=step)
     elif files:
-        for path in files:
-            allowed.resolve(path, "file")
-        # `gpudiag investigate --file`'s loader is called here, over the resolved paths.
-        raise GpudiagError("reading recorded telemetry files is not available in this version")
+        from gpudiag import file_source
+
+        paths = [str(allowed.resolve(path, "file")) for path in files]
+        window, reads = file_source.load_window(paths, since=since, start=start, end=end, node=node, gpu=gpu)
     else:
         window = I.load_store_window(allowed.resolve(store, "store"), since=since, start=start, end=end,
                                      node=node, gpu=gpu)
-    return json_ready(I.document(window, run_all(window)))
+    # As `gpudiag investigate` does: logs' findings join the analyzers' before the chain is made.
+    logged = [f for r in reads for f in r.findings]
+    findings = conclude(window, logged + [f for analyze in ANALYZERS.values() for f in analyze(window)])
+    covered = I.coverage(window)
+    doc = I.document(window, findings, covered)
+    if files:
+        doc["files"] = [r.to_dict() for r in reads]
+    return json_ready(doc)
 
 
 def top_view(sim: str | None = None, seed: int = 0) -> dict[str, Any]:
@@ -188,8 +180,9 @@ def store_findings(allowed: AllowedDirs, store: str | None, *, include_resolved:
     """The findings an agent recorded in its store (the open ones unless ``include_resolved``).
 
     Each is the agent's finding document: the ``investigate`` finding fields plus
-    ``state`` (open, resolved), ``opened_at_s``, ``resolved_at_s`` and ``last_evidence_s``;
-    an open finding has no ``end_s`` yet. Without ``store``, the agent's default store.
+    ``state`` (open, resolved, open_at_stop), ``opened_at_s``, ``resolved_at_s`` and ``last_evidence_s``;
+    an open finding has no ``end_s`` yet, unless the agent stopped while it was open (``open_at_stop``: its
+    end is the last sample the agent saw). Without ``store``, the agent's default store.
     """
     from gpudiag.agent.config import default_store_path
     from gpudiag.agent.store import Store
@@ -202,7 +195,10 @@ def store_findings(allowed: AllowedDirs, store: str | None, *, include_resolved:
     path = allowed.resolve(store, "store")
     with Store.open(path, readonly=True) as s:
         found = s.findings(0.0, math.inf, kinds=None if kind is None else [kind], gpu=gpu)
-    open_ = [d for d in found if d.get("end_s") is None]
+    from gpudiag.agent.daemon import OPEN_AT_STOP
+
+    # Open: no end yet, or still open when the agent stopped (nothing has resolved it since).
+    open_ = [d for d in found if d.get("end_s") is None or d.get("state") == OPEN_AT_STOP]
     shown = found if include_resolved else open_
     return json_ready({"source": f"store:{path}", "open": len(open_), "resolved": len(found) - len(open_),
                        "findings": shown})
@@ -493,6 +489,10 @@ def build_server(allowed: AllowedDirs):
                                            "allowed directory.")] = None,
         prometheus: Annotated[str | None, Field(description="Read the window from this Prometheus (or Thanos, "
                                                 "Mimir) instead: http://prometheus:9090.")] = None,
+        files: Annotated[list[str] | None, Field(description="Or recorded files, inside allowed directories: "
+                                                 "nvidia-smi logs, dcgm-exporter dumps, OpenMetrics, folders of "
+                                                 "/metrics scrapes, logs with PyTorch out-of-memory messages.")]
+        = None,
         since: Since = None,
         from_: From = None,
         to: To = None,
@@ -500,12 +500,12 @@ def build_server(allowed: AllowedDirs):
         gpu: Annotated[int | None, Field(description="Only this GPU's rows (index).")] = None,
         step: Annotated[str | None, Field(description="With prometheus: the range queries' step (15s).")] = None,
     ) -> Result:
-        """Run every analyzer over a window of the agent's store or of Prometheus: the causal chain (root cause
-        first), each finding's evidence, the three-colour memory of the implicated processes, the next steps and
-        what could not be checked. The same document as `gpudiag investigate --json`."""
+        """Run every analyzer over a window of the agent's store, of Prometheus or of recorded files: the causal
+        chain (root cause first), each finding's evidence, the three-colour memory of the implicated processes,
+        the next steps and what could not be checked. The same document as `gpudiag investigate --json`."""
         return answer("investigate", lambda: investigation(
-            allowed, store=store, prometheus=prometheus, since=since, start=from_, end=to, node=node, gpu=gpu,
-            step=step))
+            allowed, store=store, prometheus=prometheus, files=files, since=since, start=from_, end=to, node=node,
+            gpu=gpu, step=step))
 
     scenario_help = "; ".join(f"{s.name} (fixes: {', '.join(s.fixes) or 'none'})"
                               for s in scenarios.SCENARIOS.values())

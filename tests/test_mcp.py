@@ -369,12 +369,17 @@ def test_over_stdio_each_tool_answers_with_the_document_of_its_command_s_json(wo
     agent.stop()  # a finished store: the CLI and the tool read the same window
     store = str(agent.store.resolve())
     trace, snapshot = str(allowed / "trace.json.gz"), str(allowed / "snapshot.pickle")
+    log = allowed / "gpu.log"  # an nvidia-smi query log: the recorded-files source
+    log.write_text("timestamp, index, name, utilization.gpu [%], memory.used [MiB], memory.total [MiB]\n" + "".join(
+        f"2026/02/15 06:{m:02d}:{s:02d}.000, 0, NVIDIA H100 80GB HBM3, {40 + s % 7} %, 30000 MiB, 81559 MiB\n"
+        for m in range(10) for s in range(0, 60, 10)))
 
     async def go():
         async with _stdio("--allow-dir", allowed, cwd=allowed) as session:
             calls = {
                 "investigate": ("investigate", {"store": store, "since": "5m"}),
                 "investigate_from_to": ("investigate", {"store": store, "from": "0", "to": "9999999999"}),
+                "investigate_file": ("investigate", {"files": [str(log)]}),
                 "list_findings": ("list_findings", {"store": store}),
                 "runbooks": ("runbook", {}),
                 "runbook": ("runbook", {"name": "cpu_starved_gpu"}),
@@ -395,6 +400,8 @@ def test_over_stdio_each_tool_answers_with_the_document_of_its_command_s_json(wo
     assert doc("investigate") == cli_json("investigate", "--store", store, "--since", "5m")
     assert doc("investigate_from_to") == cli_json("investigate", "--store", store, "--from", "0", "--to", "9999999999")
     assert "cpu_starved_gpu" in [f["kind"] for f in doc("investigate")["findings"]]
+    assert doc("investigate_file") == cli_json("investigate", "--file", str(log))
+    assert doc("investigate_file")["files"][0]["format"] == "nvidia-smi"
     assert "[critical] cpu_starved_gpu" in _text(got["investigate"])
     assert doc("runbooks") == cli_json("runbook")
     assert doc("runbook") == cli_json("runbook", "cpu_starved_gpu")
@@ -408,7 +415,8 @@ def test_over_stdio_each_tool_answers_with_the_document_of_its_command_s_json(wo
 
     findings = doc("list_findings")
     assert findings["source"] == f"store:{store}" and findings["open"] == len(findings["findings"]) >= 1
-    assert all(f["state"] == "open" and f["end_s"] is None for f in findings["findings"])
+    # The agent stopped: what was open then ends at its last sample and stays open (nothing resolved it).
+    assert all(f["state"] == "open_at_stop" and f["end_s"] is not None for f in findings["findings"])
     assert ("cpu_starved_gpu", "critical") in {(f["kind"], f["severity"]) for f in findings["findings"]}
 
     view = doc("top")

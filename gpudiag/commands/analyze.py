@@ -6,12 +6,13 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from gpudiag.findings import json_ready
 from gpudiag.units import fmt_bytes, fmt_ratio, fmt_seconds
 
 analyze_app = typer.Typer(
@@ -27,18 +28,9 @@ def register(app: typer.Typer) -> None:
     app.add_typer(analyze_app, name="analyze")
 
 
-def _json_safe(v: Any) -> Any:
-    if isinstance(v, float):
-        return None if math.isnan(v) or math.isinf(v) else v
-    if isinstance(v, dict):
-        return {k: _json_safe(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_json_safe(x) for x in v]
-    return v
-
 
 def _emit_json(doc: dict) -> None:
-    sys.stdout.write(json.dumps(_json_safe(doc), indent=2) + "\n")
+    sys.stdout.write(json.dumps(json_ready(doc), indent=2) + "\n")
 
 
 def _pct(v: float | None) -> str:

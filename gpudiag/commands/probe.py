@@ -18,7 +18,6 @@ fix) or the arguments are wrong; 130 interrupted before the probe started.
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import subprocess
@@ -34,6 +33,7 @@ from rich.table import Table
 from rich.text import Text
 
 from gpudiag.errors import GpudiagError
+from gpudiag.findings import json_ready
 from gpudiag.units import fmt_bytes, fmt_seconds
 
 probe_app = typer.Typer(
@@ -92,15 +92,6 @@ def _terminate(signum, frame) -> None:
     _terminated = True
     raise KeyboardInterrupt
 
-
-def _json_safe(v: Any) -> Any:
-    if isinstance(v, float):
-        return None if math.isnan(v) or math.isinf(v) else v
-    if isinstance(v, dict):
-        return {str(k): _json_safe(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_json_safe(x) for x in v]
-    return v
 
 
 def _ns(v: float | None) -> str:
@@ -394,7 +385,7 @@ def cuda(
         if events:
             snap["events"] = all_events
         if json_out:
-            sys.stdout.write(json.dumps(_json_safe(snap), indent=1) + "\n")
+            sys.stdout.write(json.dumps(json_ready(snap), indent=1) + "\n")
             sys.stdout.flush()
         else:
             out = Console()

@@ -41,6 +41,7 @@ from typer.core import TyperCommand
 
 from gpudiag.catalog import M
 from gpudiag.errors import GpudiagError
+from gpudiag.findings import json_ready
 from gpudiag.frames import Frame
 from gpudiag.probes.base import Probe, ProbeError
 from gpudiag.render import figure_column, identity_column, terminal_table
@@ -385,17 +386,6 @@ def _unique_names(probes: list[Probe]) -> list[str]:
         out.append(p.name if seen[p.name] == 1 else f"{p.name}{seen[p.name]}")
     return out
 
-
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    if isinstance(value, (str, int, bool)) or value is None:
-        return value
-    return str(value)
 
 
 # --- drawing ---------------------------------------------------------------------------
@@ -742,7 +732,7 @@ def register(app: typer.Typer) -> None:
                 time.sleep(min(interval, 1.0))
                 view = model.tick()
                 if json_out:
-                    sys.stdout.write(json.dumps(_json_safe(view), indent=1) + "\n")
+                    sys.stdout.write(json.dumps(json_ready(view), indent=1) + "\n")
                 else:
                     console = Console()
                     console.print(render(view, console.width, interactive=False))
