@@ -375,14 +375,6 @@ def document(window: Window, findings: list[Finding], covered: dict[str, Any] | 
 
 # --- HTML report ----------------------------------------------------------------------
 
-CHART_TITLES = (
-    "Three-colour memory per process",
-    "GPU utilization vs TPOT P99",
-    "KV evictions and allocation failures",
-    "Largest free block vs failed request size",
-)
-
-
 def _x(t: np.ndarray):
     """Chart x values: datetimes for Unix times, seconds for a simulated time base."""
     import pandas as pd
@@ -396,37 +388,6 @@ def _x(t: np.ndarray):
 def _thin(df: pd.DataFrame) -> pd.DataFrame:
     step = max(1, math.ceil(len(df) / MAX_CHART_POINTS))
     return df.iloc[::step]
-
-
-def _memory_figure(window: Window):
-    import plotly.graph_objects as go
-
-    from gpudiag.agent.tracker import LAYER_COLUMNS
-
-    fig = go.Figure()
-    proc = window.table("process")
-    if not proc.empty and "pid" in proc:
-        w_col, g_col, b_col = LAYER_COLUMNS["white"], LAYER_COLUMNS["grey"], LAYER_COLUMNS["black"]
-        for (gpu, pid), rows in proc.groupby(["gpu", "pid"], sort=True):
-            rows = _thin(rows)
-            name = f"gpu {gpu} pid {pid} {rows['process'].iloc[-1] if 'process' in rows else ''}".strip()
-            white = rows[w_col] if w_col in rows else None
-            grey = rows[g_col] if g_col in rows else None
-            black = rows[b_col] if b_col in rows else None
-            layers = []
-            if white is not None:
-                layers.append(("white: allocated", white, "rgba(230,230,230,0.9)"))
-            if grey is not None:
-                layers.append(("grey: reserved - allocated", grey - (white if white is not None else 0),
-                               "rgba(150,150,150,0.9)"))
-            if black is not None:
-                base = grey if grey is not None else 0
-                layers.append(("black: driver - reserved", black - base, "rgba(40,40,40,0.9)"))
-            for label, y, colour in layers:
-                fig.add_trace(go.Scatter(x=_x(rows["t"]), y=y / GIB, name=f"{name} {label}", stackgroup=f"{gpu}-{pid}",
-                                         mode="lines", line={"width": 0.5, "color": colour}, fillcolor=colour))
-    fig.update_layout(title=CHART_TITLES[0], yaxis_title="GiB")
-    return fig
 
 
 def per_minute_tpot_p99(requests: pd.DataFrame) -> pd.DataFrame:
@@ -456,132 +417,12 @@ def interval_p99(engine: pd.DataFrame, col: str) -> pd.DataFrame:
     return pd.DataFrame({"t": np.array(t, float), "p99_s": np.array(v, float)})
 
 
-def _util_figure(window: Window):
-    import plotly.graph_objects as go
-
-    fig = go.Figure()
-    gpu = window.table("gpu")
-    if not gpu.empty and M.gpu_utilization_ratio in gpu:
-        for g, rows in gpu.groupby("gpu", sort=True):
-            bins = (rows["t"] // CHART_BIN_S) * CHART_BIN_S
-            util = rows.groupby(bins)[M.gpu_utilization_ratio].mean()
-            fig.add_trace(go.Scatter(x=_x(util.index.to_numpy(float)), y=util.to_numpy(float),
-                                     name=f"gpu {g} utilization (minute mean)", mode="lines"))
-    tpot = per_minute_tpot_p99(window.table("request"))
-    if not tpot.empty:
-        fig.add_trace(go.Scatter(x=_x(tpot["t"].to_numpy()), y=tpot["tpot_p99_s"], name="TPOT P99 (per minute)",
-                                 mode="lines+markers", yaxis="y2"))
-    else:  # no request rows (vLLM's metrics, Prometheus): the P99 of each interval's histogram
-        tpot = _thin(interval_p99(window.table("engine"), M.inter_token_latency_seconds))
-        if not tpot.empty:
-            fig.add_trace(go.Scatter(x=_x(tpot["t"].to_numpy()), y=tpot["p99_s"], name="TPOT P99 (per interval)",
-                                     mode="lines", yaxis="y2"))
-    fig.update_layout(title=CHART_TITLES[1], yaxis={"title": "utilization (ratio)", "range": [0, 1]},
-                      yaxis2={"title": "TPOT P99 (s)", "overlaying": "y", "side": "right"})
-    return fig
-
-
-def _counter_per_minute(eng: pd.DataFrame, col: str) -> pd.Series:
-    """Per-minute increase of a cumulative counter, summed over engines (a reset counts from zero)."""
-    import pandas as pd
-
-    labels = [c for c in ("gpu", "engine") if c in eng]
-    groups = (rows for _, rows in eng.groupby(labels, sort=True)) if labels else [eng]
-    parts = []
-    for rows in groups:
-        v = rows[col].astype(float)
-        inc = v.diff().fillna(0.0)
-        inc[inc < 0] = v[inc < 0]
-        parts.append(inc.groupby((rows["t"] // CHART_BIN_S) * CHART_BIN_S).sum())
-    return pd.concat(parts).groupby(level=0).sum() if parts else pd.Series(dtype=float)
-
-
-def _events_figure(window: Window):
-    import plotly.graph_objects as go
-
-    fig = go.Figure()
-    eng = window.table("engine")
-    evictions = (M.engine_kv_evictions_total, "KV evictions per minute")
-    if eng.empty or M.engine_kv_evictions_total not in eng:  # vLLM counts an eviction as a preemption
-        evictions = (M.num_preemptions_total, "preemptions per minute (KV evicted)")
-    for col, label in (evictions, (M.engine_kv_alloc_failures_total, "KV allocation failures per minute")):
-        if not eng.empty and col in eng:
-            s = _counter_per_minute(eng, col)
-            fig.add_trace(go.Bar(x=_x(s.index.to_numpy(float)), y=s.to_numpy(float), name=label))
-    fig.update_layout(title=CHART_TITLES[2], barmode="group", yaxis_title="events per minute")
-    return fig
-
-
-def _blocks_figure(window: Window):
-    import plotly.graph_objects as go
-
-    fig = go.Figure()
-    proc, eng = window.table("process"), window.table("engine")
-    col = M.process_torch_largest_free_block_bytes
-    if not proc.empty and col in proc:
-        for (gpu, pid), rows in proc.groupby(["gpu", "pid"], sort=True):
-            rows = _thin(rows.dropna(subset=[col]))
-            if not rows.empty:
-                fig.add_trace(go.Scatter(x=_x(rows["t"]), y=rows[col] / GIB, mode="lines",
-                                         name=f"gpu {gpu} pid {pid} largest free block"))
-    col = M.engine_kv_failed_request_bytes
-    if not eng.empty and col in eng:
-        failed = eng[eng[col].fillna(0) > 0]
-        fig.add_trace(go.Scatter(x=_x(failed["t"]), y=failed[col] / GIB, mode="markers", name="failed KV request size",
-                                 marker={"color": "red", "symbol": "x"}))
-    fig.update_layout(title=CHART_TITLES[3], yaxis_title="GiB")
-    return fig
-
-
-def _shade_findings(fig, findings: list[Finding]) -> None:
-    colours = {"critical": "rgba(220,0,0,0.08)", "warning": "rgba(240,160,0,0.08)", "info": "rgba(0,120,220,0.05)"}
-    for f in findings:
-        x0, x1 = _x(np.array([f.start_s, f.end_s]))
-        fig.add_vrect(x0=x0, x1=x1, fillcolor=colours[f.severity.value], line_width=0)
-
-
-# A chart that fails to draw says so on the page (and to a browser test) instead of leaving a blank space.
-_ERROR_BOX_JS = ("window.addEventListener('error',function(e){var b=document.getElementById('report-errors');"
-                 "if(b){b.hidden=false;b.textContent+='A chart could not be drawn: '+e.message+'\\n';}});")
-
-
 def html_report(window: Window, findings: list[Finding], covered: dict[str, Any] | None = None) -> str:
-    """One self-contained HTML page: the four charts (plotly embedded once, no CDN), the findings and
-    the coverage (``covered``: :func:`coverage` of the window, when already known)."""
-    import html as H
+    """One self-contained HTML page: the causal chain, each finding with the charts of its evidence, and
+    the coverage (:func:`gpudiag.report_html.html_report`)."""
+    from gpudiag import report_html
 
-    figures = [_memory_figure(window), _util_figure(window), _events_figure(window), _blocks_figure(window)]
-    parts = []
-    for i, fig in enumerate(figures):
-        if not fig.data:
-            fig.add_annotation(text="no data for this chart in this window (see 'Could not be checked')",
-                               xref="paper", yref="paper", x=0.5, y=0.5, showarrow=False)
-            fig.update_xaxes(visible=False)
-            fig.update_yaxes(visible=False)
-        else:
-            _shade_findings(fig, findings)
-        fig.update_layout(height=420, margin={"l": 60, "r": 60, "t": 50, "b": 40}, legend={"font": {"size": 10}})
-        parts.append(fig.to_html(full_html=False, include_plotlyjs=(i == 0), div_id=f"chart-{i}"))
-    rows = "".join(
-        f"<tr><td>{H.escape(f.severity.value)}</td><td>{H.escape(f.kind)}</td><td>{H.escape(_iso(f.start_s))}</td>"
-        f"<td>{'ongoing at the window&#39;s end' if f.open else H.escape(_iso(f.end_s))}</td>"
-        f"<td>{H.escape(f.summary)}</td>"
-        f"<td>{H.escape(', '.join(f.caused_by))}</td></tr>" for f in findings) \
-        or "<tr><td colspan=6>no findings</td></tr>"
-    missing = "".join(f"<li>{H.escape(g['check'])}: {H.escape(g['reason'])}</li>" for g in gaps(window))
-    covered = coverage(window) if covered is None else covered
-    title = f"gpudiag investigate {_iso(window.start_s)} to {_iso(window.end_s)}"
-    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{H.escape(title)}</title>"
-            "<style>body{font-family:sans-serif;margin:1em}td,th{padding:2px 8px;text-align:left}"
-            "#report-errors{color:#b00;border:1px solid #b00;padding:4px}</style>"
-            f"<script>{_ERROR_BOX_JS}</script>"
-            "</head><body><pre id='report-errors' hidden></pre>"
-            f"<h1>{H.escape(title)}</h1><p>sources: {H.escape(', '.join(window.sources))}</p>"
-            "<table><tr><th>severity</th><th>kind</th><th>start</th>"
-            f"<th>end</th><th>summary</th><th>caused by</th></tr>{rows}</table>"
-            + (f"<h3>Could not be checked</h3><ul>{missing}</ul>" if missing else "")
-            + coverage_html(covered, bool(findings))
-            + "".join(parts) + "</body></html>")
+    return report_html.html_report(window, findings, covered)
 
 
 def coverage_verdict(covered: dict[str, Any], found: bool) -> str:

@@ -19,8 +19,9 @@ from gpudiag.analyzers import latency_regression, oom_forecast
 from gpudiag.analyzers.registry import ANALYZERS
 from gpudiag.catalog import M
 from gpudiag.frames import Frame
-from gpudiag.investigate import CHART_TITLES, parse_duration, parse_time
+from gpudiag.investigate import parse_duration, parse_time
 from gpudiag.reference_engine import scenarios
+from gpudiag.report_html import charts_for
 
 # The agent's simulated time base: its start wall time plus simulated seconds.
 T0 = 1_700_000_000.0
@@ -107,8 +108,10 @@ def test_the_report_names_the_chain_the_runbook_and_writes_a_self_contained_html
     assert not re.search(r"<script[^>]+src=", text), "the report must not load scripts from anywhere"
     assert "cdn.plot.ly/plotly" not in text
     assert "Plotly.newPlot" in text and len(text) > 3_000_000  # plotly.js (~3.5 MB) is inline
-    for title in CHART_TITLES:
-        assert title in text
+    # Each finding has its section, with the titles of its evidence charts.
+    for kind in ("memory_fragmentation", "kv_eviction_storm"):
+        assert f"data-kind='{kind}'" in text
+        assert all(chart.title in text for chart in charts_for(kind))
     # The coverage section: every analyzer with what it ran on, or why it did not run.
     coverage = text[text.index("id='coverage'"):]
     assert "did not run" in coverage and "cuda_function_grid_blocks" in coverage

@@ -1,11 +1,10 @@
 """The `gpudiag investigate --html` report in a real browser: Debian's Chromium, headless, offline.
 
-The report of the kv-eviction-storm scenario's two hours (written into a real
-store as the agent writes it in --sim mode) is opened from a file:// URL by
-``chromium --headless`` with no network. The page must load without a
-JavaScript error (the report shows such errors in its own ``#report-errors``
-box, which the dumped DOM carries), draw the four charts with their data,
-and give a screenshot worth looking at.
+Each simulator scenario's run is turned into a report and opened from a file:// URL by
+``chromium --headless`` with no network. The page must load without a JavaScript error
+(the report shows such errors in its own ``#report-errors`` box, which the dumped DOM
+carries), draw the causal chain, and give each finding a section whose charts are drawn
+with their data; a screenshot of each is written for a person to look at.
 """
 
 from __future__ import annotations
@@ -21,17 +20,28 @@ from pathlib import Path
 
 import pytest
 
+from gpudiag import investigate as I
 from gpudiag import repro as R
 from gpudiag.agent.store import Store
 from gpudiag.frames import Frame
-from gpudiag.investigate import CHART_TITLES
 from gpudiag.reference_engine import scenarios
+from gpudiag.report_html import charts_for
 
 T0 = 1_700_000_000.0
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 # Headless Chromium runs timers on a virtual clock: this much of it lets plotly finish drawing.
 VIRTUAL_TIME_MS = 10_000
-WINDOW = (1400, 2200)
+WINDOW = (1000, 2600)
+# Scenario -> the finding kinds its report must draw (each has declared evidence charts).
+SCENARIO_KINDS = {
+    "kv-eviction-storm": ("memory_fragmentation", "kv_eviction_storm"),
+    "cpu-starved": ("cpu_starved_gpu", "latency_regression"),
+    "degenerate-grid": ("degenerate_kernel_launch", "latency_regression"),
+    "tensor-leak": ("memory_leak", "oom_forecast"),
+    "cotenant": ("gpu_cotenant", "kv_eviction_storm"),
+    "queue-avalanche": ("queue_avalanche",),
+    "lru-multiturn": ("prefix_cache_thrash",),
+}
 
 
 def _chromium(tmp: Path, *args: str) -> subprocess.CompletedProcess:
@@ -47,7 +57,7 @@ def _chromium(tmp: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
+def storm_report(tmp_path_factory):
     """The HTML report of the storm scenario's whole run, written by the CLI from a real store."""
     tmp = tmp_path_factory.mktemp("report")
     res = R.run(scenarios.get("kv-eviction-storm"), None, 0)
@@ -69,58 +79,126 @@ def report(tmp_path_factory):
     return html
 
 
-def _charts(dom: str) -> dict[int, str]:
-    """The DOM of each chart div (chart-0 ... chart-3)."""
-    starts = [dom.index(f'id="chart-{i}"') for i in range(len(CHART_TITLES))] + [len(dom)]
-    return {i: dom[starts[i]:starts[i + 1]] for i in range(len(CHART_TITLES))}
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    """``reports(name)``: the HTML report of a scenario's run (written in-process), made once per module."""
+    tmp = tmp_path_factory.mktemp("reports")
+    cache: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            res = R.run(scenarios.get(name), None, 0)
+            cache[name] = tmp / f"{name}.html"
+            I.write_html(str(cache[name]), res.window, res.findings)
+        return cache[name]
+
+    return get
+
+
+def _errors(dom: str) -> str:
+    """The text of the report's error box ('' when hidden and empty)."""
+    box = re.search(r'<pre id="report-errors"([^>]*)>(.*?)</pre>', dom, re.S)
+    assert box is not None, "the report's error box is missing"
+    return "" if "hidden" in box.group(1) and box.group(2) == "" else box.group(2) or "shown"
+
+
+def _sections(dom: str) -> dict[str, list[str]]:
+    """Each finding section's DOM, by kind."""
+    out: dict[str, list[str]] = {}
+    for m in re.finditer(r'<section class="finding" id="[^"]*" data-kind="([^"]*)">(.*?)</section>', dom, re.S):
+        out.setdefault(m.group(1), []).append(m.group(2))
+    return out
+
+
+def _plots(section: str) -> list[str]:
+    """The DOM of each plotly chart drawn in a section."""
+    starts = [m.start() for m in re.finditer(r'class="plotly-graph-div js-plotly-plot"', section)]
+    return [section[a:b] for a, b in zip(starts, starts[1:] + [len(section)])]
 
 
 def _legend(chart: str) -> list[str]:
     return re.findall(r'class="legendtext"[^>]*>([^<]*)<', chart)
 
 
-def test_the_report_loads_offline_without_javascript_errors_and_draws_the_four_charts(report, tmp_path):
-    p = _chromium(tmp_path, "--dump-dom", report.as_uri())
+def _dump(tmp: Path, html: Path, *, clean: bool = True) -> str:
+    """The DOM after the page ran; with ``clean``, the console must show no uncaught error."""
+    p = _chromium(tmp, "--dump-dom", html.as_uri())
     assert p.returncode == 0, p.stderr[-2000:]
-    dom = p.stdout
-    errors = re.search(r'<pre id="report-errors"([^>]*)>(.*?)</pre>', dom, re.S)
-    assert errors is not None, "the report's error box is missing"
-    assert "hidden" in errors.group(1) and errors.group(2) == "", f"JavaScript errors: {errors.group(2)}"
-    assert "Uncaught" not in p.stderr, p.stderr[-2000:]
-    charts = _charts(dom)
-    for i, title in enumerate(CHART_TITLES):
-        assert "js-plotly-plot" in charts[i] and "main-svg" in charts[i], f"chart {i} ({title}) was not drawn"
-        assert re.search(rf'class="gtitle"[^>]*>{re.escape(title)}<', charts[i]), title
-    # Three-colour memory: white, grey and black stacked (filled) per process over time.
-    memory = _legend(charts[0])
-    assert sum("white: allocated" in x for x in memory) == 1 and any("grey:" in x for x in memory) \
-        and any("black:" in x for x in memory), memory
-    assert len(re.findall(r'class="js-fill"', charts[0])) >= 3
-    # Utilization on the left axis, TPOT P99 on a second axis on the right.
-    util = _legend(charts[1])
-    assert any("utilization" in x for x in util) and any("TPOT P99" in x for x in util), util
-    assert 'class="yaxislayer-above"' in charts[1] and "y2" in charts[1]
-    # Evictions and allocation failures as bars on the timeline.
-    assert _legend(charts[2]) == ["KV evictions per minute", "KV allocation failures per minute"]
-    assert len(re.findall(r'class="trace bars"', charts[2])) == 2
-    assert len(re.findall(r'class="point"', charts[2])) > 10
-    # The largest free block as a line, the failed requests as markers above it.
-    blocks = _legend(charts[3])
+    assert not clean or "Uncaught" not in p.stderr, p.stderr[-2000:]
+    return p.stdout
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIO_KINDS))
+def test_each_finding_of_a_scenario_is_drawn_with_the_charts_of_its_own_evidence(scenario, reports, tmp_path):
+    dom = _dump(tmp_path, reports(scenario))
+    assert _errors(dom) == "", f"JavaScript errors: {_errors(dom)}"
+    # The causal chain comes first, a box per finding.
+    assert dom.index('id="chain"') < dom.index('<section class="finding"')
+    sections = _sections(dom)
+    assert dom.count('class="finding"') >= 2 * sum(len(s) for s in sections.values())  # box + section
+    for kind in SCENARIO_KINDS[scenario]:
+        assert kind in sections, f"no section for {kind}: {list(sections)}"
+        section = sections[kind][0]
+        plots = _plots(section)
+        skipped = section.count('class="no-chart"')
+        assert len(plots) + skipped == len(charts_for(kind)), (kind, len(plots), skipped)
+        assert plots, f"{kind}: none of its charts was drawn"
+        for chart in plots:
+            traces = re.findall(r'class="(?:trace scatter|trace bars)', chart)
+            assert traces and "main-svg" in chart, f"{kind}: a chart without traces"
+            # The finding's span is a labelled band with its legend entry.
+            assert any(x.startswith(f"span: {kind} (") for x in _legend(chart)), _legend(chart)
+            assert "shapelayer" in chart and f"{kind} (" in chart
+
+
+def test_a_cpu_starved_report_draws_the_hot_host_thread_beside_an_idle_gpu_on_a_ratio_axis(reports, tmp_path):
+    dom = _dump(tmp_path, reports("cpu-starved"))
+    first = _plots(_sections(dom)["cpu_starved_gpu"][0])[0]
+    legend = _legend(first)
+    assert any("hottest thread (engine-loop)" in x for x in legend) and any("utilization" in x for x in legend)
+    ticks = re.findall(r'class="ytick"[^>]*>.*?data-unformatted="([^"]*)"', first, re.S)
+    assert ticks[0] == "0%" and "100%" in ticks, ticks
+    # The latency regression it caused shades its cause's span too, with a legend entry of its own.
+    for chart in _plots(_sections(dom)["latency_regression"][0]):
+        assert "span: cpu_starved_gpu (critical), cause" in _legend(chart), _legend(chart)
+
+
+def test_a_latency_axis_starts_at_zero_and_draws_the_slo(reports, tmp_path):
+    dom = _dump(tmp_path, reports("degenerate-grid"))
+    for chart in _plots(_sections(dom)["latency_regression"][0]):
+        ticks = re.findall(r'class="ytick"[^>]*>.*?data-unformatted="([^"]*)"', chart, re.S)
+        assert ticks and float(ticks[0]) == 0.0, ticks
+        assert "SLO P99" in chart and "baseline P99" in chart
+
+
+def test_the_store_report_written_by_the_cli_draws_the_storm_and_its_cause(storm_report, tmp_path):
+    dom = _dump(tmp_path, storm_report)
+    assert _errors(dom) == ""
+    sections = _sections(dom)
+    blocks = _legend(_plots(sections["memory_fragmentation"][0])[0])
     assert any("largest free block" in x for x in blocks) and "failed KV request size" in blocks, blocks
-    assert len(re.findall(r'class="point"', charts[3])) > 10
-    # The storm is shaded on every chart.
-    assert all("shapelayer" in c and re.search(r'fill: rgb\(2[24]0, ', c) for c in charts.values())
+    evictions = _plots(sections["kv_eviction_storm"][0])[0]
+    assert any(x.startswith("KV evictions per") for x in _legend(evictions))
+    assert len(re.findall(r'class="point"', evictions)) > 10
 
 
-def test_a_script_error_in_the_report_is_shown_in_its_error_box(report, tmp_path):
-    # The check above can fail: the same report with a failing script shows the error.
+def test_a_chart_without_data_is_left_out_with_the_series_it_missed(reports, tmp_path):
+    # A declared chart whose series the window lacks names them instead of drawing an empty axis.
+    html = reports("cotenant").read_text(encoding="utf-8")
+    assert "range\":[-1,1]" not in html.replace(" ", "")
+    for m in re.finditer(r"<p class='no-chart'>([^<]*)</p>", html):
+        assert "not drawn, no data in this window for" in m.group(1)
+
+
+def test_a_script_error_in_the_report_is_shown_in_its_error_box(reports, tmp_path):
+    # The checks above can fail: the same report with a failing script shows the error.
+    html = reports("cpu-starved").read_text(encoding="utf-8")
     broken = tmp_path / "broken.html"
-    broken.write_text(report.read_text(encoding="utf-8").replace(
-        "</body>", "<script>throw new Error('chart data missing');</script></body>"), encoding="utf-8")
-    p = _chromium(tmp_path, "--dump-dom", broken.as_uri())
-    errors = re.search(r'<pre id="report-errors"([^>]*)>(.*?)</pre>', p.stdout, re.S)
-    assert errors is not None and "hidden" not in errors.group(1)
-    assert "A chart could not be drawn" in errors.group(2) and "chart data missing" in errors.group(2)
+    broken.write_text(html.replace("</body>", "<script>throw new Error('chart data missing');</script></body>"),
+                      encoding="utf-8")
+    dom = _dump(tmp_path, broken, clean=False)
+    shown = _errors(dom)
+    assert "A chart could not be drawn" in shown and "chart data missing" in shown
 
 
 def _png(path: Path) -> tuple[int, int, bytes]:
@@ -139,14 +217,14 @@ def _png(path: Path) -> tuple[int, int, bytes]:
     return width, height, zlib.decompress(b"".join(idat))
 
 
-def test_a_screenshot_of_the_report_shows_the_charts(report, tmp_path):
-    shot = tmp_path / "report.png"
-    p = _chromium(tmp_path, "--hide-scrollbars", f"--window-size={WINDOW[0]},{WINDOW[1]}",
-                  f"--screenshot={shot}", report.as_uri())
+@pytest.mark.parametrize("scenario", list(SCENARIO_KINDS))
+def test_a_screenshot_of_each_scenario_report_shows_its_charts(scenario, reports, tmp_path_factory):
+    shot = tmp_path_factory.mktemp("screenshots") / f"report-{scenario}.png"
+    p = _chromium(shot.parent, "--hide-scrollbars", f"--window-size={WINDOW[0]},{WINDOW[1]}",
+                  f"--screenshot={shot}", reports(scenario).as_uri())
     assert p.returncode == 0 and shot.exists(), p.stderr[-2000:]
     width, height, pixels = _png(shot)
     assert (width, height) == WINDOW
-    # A blank or single-colour page compresses to a few kilobytes; four charts of two
-    # hours of data with text and fills do not.
+    # A blank or single-colour page compresses to a few kilobytes; charts with text and fills do not.
     assert shot.stat().st_size > 100_000, shot.stat().st_size
     assert len(set(pixels[i:i + 4] for i in range(0, len(pixels), 4096))) > 50
