@@ -17,7 +17,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from gpudiag.findings import Finding
+from gpudiag.findings import Evidence, Finding
 from gpudiag.units import fmt_seconds, fmt_value
 
 # The widest an identity column claims before its labels fold: a long scenario or process
@@ -49,13 +49,7 @@ def findings_panel(findings: list[Finding], title: str = "Findings", scenario=No
         if f.caused_by:
             head.append("\n" + "  " * depth + "   caused by: " + ", ".join(f.caused_by), style="dim")
         parts.append(head)
-        ev = Table(show_header=True, header_style="dim", box=None, padding=(0, 1))
-        for col in ("metric", "observed", "baseline", "threshold"):
-            ev.add_column(col)
-        for e in f.evidence:
-            ev.add_row(e.metric, fmt_value(e.observed, e.unit), fmt_value(e.baseline, e.unit),
-                       fmt_value(e.threshold, e.unit))
-        parts.append(ev)
+        parts.append(evidence_table(f.evidence, " "))
         nxt = Text("  " * depth + f"   runbook: {f.runbook}")
         checks = [f"gpudiag repro {scenario.name} --fix {x}" for x in f.fixes if x in scenario.fixes] \
             if scenario is not None else []
@@ -73,14 +67,21 @@ def terminal_table(title: str | None = None, **options) -> Table:
     return Table(title=title, title_justify="left", **options)
 
 
-def identity_column(table: Table, header: str, labels: Iterable[object] = (), **options) -> None:
-    """Add the column that names a row: as wide as its longest label (up to IDENTITY_MAX_WIDTH), never "…".
+def identity_column(table: Table, header: str, labels: Iterable[object] = (), *,
+                    max_width: int = IDENTITY_MAX_WIDTH, **options) -> None:
+    """Add the column that names a row: as wide as its longest label, up to ``max_width``; never "…".
 
-    A label longer than the screen allows folds onto the next line, whole,
-    instead of losing the characters that tell two rows apart.
+    Labels that fit ``max_width`` stay on one line. A longer label wraps at its
+    words (a single long word folds) within ``max_width``, whole, instead of
+    losing the characters that tell two rows apart; held on one line it would
+    push the figures beside it off the screen's edge (rich lets a column's
+    minimum win over the screen).
     """
     widest = max([len(header)] + [len(str(v)) for v in labels])
-    table.add_column(header, no_wrap=True, overflow="fold", min_width=min(widest, IDENTITY_MAX_WIDTH), **options)
+    if widest <= max_width:
+        table.add_column(header, no_wrap=True, overflow="fold", min_width=widest, **options)
+    else:
+        table.add_column(header, overflow="fold", width=max_width, **options)
 
 
 def figure_column(table: Table, header: str, **options) -> None:
@@ -93,3 +94,26 @@ def text_column(table: Table, header: str, **options) -> None:
     """Add a free-text column (a summary, a reason): it wraps at words and takes the width that is left."""
     options.setdefault("ratio", 1)
     table.add_column(header, overflow="fold", **options)
+
+
+# The widest an evidence table's metric column grows: the longest metric names (42 characters,
+# process_torch_external_fragmentation_ratio) with a chain's indent stay on one line beside the
+# three figures at 80 columns inside a panel (76 - 28 for the figures and their spaces).
+EVIDENCE_METRIC_MAX_WIDTH = 48
+
+
+def evidence_table(evidence: Iterable[Evidence], indent: str = "") -> Table:
+    """A finding's evidence: each metric named whole (folded, never cut), its figures beside it.
+
+    ``indent`` goes before each metric name, so the table sits under its finding in a chain.
+    """
+    evidence = list(evidence)
+    table = terminal_table(box=None, header_style="dim")
+    identity_column(table, indent + "metric", [indent + e.metric for e in evidence],
+                    max_width=EVIDENCE_METRIC_MAX_WIDTH)
+    for col in ("observed", "baseline", "threshold"):
+        figure_column(table, col)
+    for e in evidence:
+        table.add_row(indent + e.metric, fmt_value(e.observed, e.unit), fmt_value(e.baseline, e.unit),
+                      fmt_value(e.threshold, e.unit))
+    return table

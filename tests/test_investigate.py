@@ -119,6 +119,19 @@ def test_the_report_names_the_chain_the_runbook_and_writes_a_self_contained_html
     assert "Coverage:" in out
 
 
+def test_the_report_at_80_columns_names_every_metric_and_process_whole(cli, storm_store):
+    p = cli(*_window(storm_store, 0, 7200), env={**os.environ, "COLUMNS": "80"})
+    assert p.returncode == 1, p.stderr
+    out = p.stdout
+    assert "…" not in out  # no metric, process or figure cut
+    assert max(len(line) for line in out.splitlines()) <= 80
+    doc = json.loads(cli(*_window(storm_store, 0, 7200), "--json", env={**os.environ, "COLUMNS": "80"}).stdout)
+    for f in doc["findings"]:
+        for e in f["evidence"]:
+            assert e["metric"] in out
+    assert "Three-colour memory" in out and "largest" in out
+
+
 def test_a_healthy_window_with_views_missing_is_inconclusive_and_exits_3(cli, storm_store):
     p = cli(*_window(storm_store, 0, HEALTHY_END_S), "--json")
     assert p.returncode == 3, p.stderr + p.stdout

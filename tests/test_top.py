@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import textwrap
@@ -368,7 +369,130 @@ def test_top_names_the_findings_open_in_the_agents_store_and_not_the_resolved_on
     assert [f["kind"] for f in doc["findings"]] == ["kv_eviction_storm"]
     proc = cli("top", "--once", "--engine", engine_url, "--store", path, env=dict(os.environ, COLUMNS="80"),
                timeout=120)
-    assert "agent: 1 open: kv_eviction_storm gpu 0" in proc.stdout
+    assert "agent: 1 open: kv_eviction_storm critical gpu 0" in proc.stdout
+
+
+@pytest.fixture
+def running_agent():
+    """The agent's real exporter serving one open finding and one GPU's figures."""
+    from gpudiag.agent.prom_exporter import LatestFrames, registry_for, serve
+
+    latest = LatestFrames(node="node-a")
+    latest.set_findings([{"id": "kv_eviction_storm-gpu0-100", "kind": "kv_eviction_storm", "severity": "warning",
+                          "gpu": 0, "start_s": 100.0, "end_s": None, "summary": "evictions", "evidence": []}])
+    server = serve(registry_for(latest), "127.0.0.1", 0)
+    yield server.url
+    server.close()
+
+
+def test_top_names_the_findings_open_in_a_running_agent_with_their_severity(cli, engine_url, running_agent):
+    proc = cli("top", "--once", "--json", "--engine", engine_url, "--agent", running_agent, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)  # JSON only: a pipe gets nothing else
+    assert doc["agent"]["reachable"] is True
+    assert [(f["kind"], f["severity"], f["gpu"]) for f in doc["findings"]] == [("kv_eviction_storm", "warning", 0)]
+    assert "detected_here" not in doc  # the agent judges; top does not judge again
+    base = running_agent.removesuffix("/metrics")
+    proc = cli("top", "--once", "--engine", engine_url, "--agent", base, env=dict(os.environ, COLUMNS="80"),
+               timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "agent: 1 open: kv_eviction_storm warning gpu 0" in proc.stdout
+
+
+def test_an_agent_that_does_not_answer_is_named_on_its_line_and_the_view_goes_on(cli, engine_url):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = cli("top", "--once", "--engine", engine_url, "--agent", f"127.0.0.1:{port}",
+               env=dict(os.environ, COLUMNS="80"), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert f"agent: http://127.0.0.1:{port}/metrics not answering" in proc.stdout
+    assert "Engines" in proc.stdout  # the rest of the view is drawn
+    doc = json.loads(cli("top", "--once", "--json", "--engine", engine_url, "--agent", f"127.0.0.1:{port}",
+                         timeout=120).stdout)
+    assert doc["agent"]["reachable"] is False and doc["agent"]["error"] and doc["findings"] == []
+
+
+def test_the_agents_findings_are_read_in_the_background_so_the_view_never_waits():
+    from gpudiag.commands.top import Refreshing
+
+    release, calls = threading.Event(), []
+
+    def slow_agent():
+        calls.append(1)
+        release.wait(10)
+        return {"answer": len(calls)}
+
+    reader = Refreshing(slow_agent, every_s=5.0, name="test-slow-agent")
+    started = time.monotonic()
+    assert reader.poll(0.0) is None  # the first read is under way; the view draws without it
+    assert reader.poll(1.0) is None and len(calls) == 1  # one read at a time, none before it is due
+    assert time.monotonic() - started < 1.0
+    release.set()
+    reader.join(5)
+    assert reader.poll(2.0) == {"answer": 1} and len(calls) == 1  # not due again before 5 s
+    reader.poll(5.0)
+    reader.join(5)
+    assert reader.poll(6.0) == {"answer": 2}
+
+
+# --- findings detected by top itself ----------------------------------------------------------
+
+T0 = 1_700_000_000.0  # the wall clock a live top would stamp the scenario's second 0 with
+
+
+@pytest.fixture(scope="module")
+def storm_frames():
+    """The kv-eviction-storm scenario's frames up to simulated second 3500 (its storm starts near 3100),
+    stamped as top stamps its samples."""
+    from gpudiag.frames import Frame
+    from gpudiag.reference_engine import scenarios
+    from gpudiag.reference_engine.engine import SimEngine
+
+    cfg, workload = scenarios.get("kv-eviction-storm").build(None)
+    frames = []
+    for fr in SimEngine(cfg, workload, seed=0).frames():
+        if fr.t > 3500:
+            break  # the engine generates lazily: stopping here saves the rest of the two-hour run
+        frames.append(Frame(fr.kind, T0 + fr.t, fr.rows))
+    return frames
+
+
+def test_top_without_an_agent_detects_the_eviction_storm_in_the_window_it_holds(storm_frames):
+    from gpudiag.commands.top import LOCAL_WINDOW_S, LocalFindings, detected_line
+
+    local = LocalFindings()
+    by_t: dict[float, list] = {}
+    for fr in storm_frames:
+        by_t.setdefault(fr.t, []).append(fr)
+    for t, frames in by_t.items():  # one tick a second, as top samples
+        local.add(frames, t)
+    assert local.frames[0].t >= storm_frames[-1].t - LOCAL_WINDOW_S  # only the window is kept
+    doc = local.read(storm_frames[-1].t, wait=True)
+    storm = [f for f in doc["findings"] if f["kind"] == "kv_eviction_storm"]
+    assert storm and storm[0]["open"] and storm[0]["gpu"] == 0
+    since = time.strftime("%H:%M:%S", time.localtime(storm[0]["start_s"]))
+    assert 3000 <= storm[0]["start_s"] - T0 <= 3200
+    assert f"kv_eviction_storm {storm[0]['severity']} gpu 0 since {since}" in detected_line(doc).plain
+
+
+def test_a_healthy_window_says_nothing_was_found_and_how_many_analyzers_could_judge(storm_frames):
+    from gpudiag.commands.top import detect_locally, detected_line
+
+    healthy = [fr for fr in storm_frames if fr.t <= T0 + 600]
+    doc = detect_locally(healthy)
+    assert doc["findings"] == [] and 0 < doc["judged"] < doc["analyzers"] == 12
+    assert detected_line(doc).plain == (f"detected here: nothing in the 10 min seen so far "
+                                        f"({doc['judged']} of 12 analyzers could judge)")
+    assert detected_line(detect_locally([])).plain.startswith("detected here: nothing")
+
+
+def test_sim_once_json_says_what_top_detected_itself(cli):
+    proc = cli("top", "--sim", "--once", "--json", "--speed", "20", timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    here = doc["detected_here"]
+    assert here["analyzers"] == 12 and here["error"] is None and isinstance(here["findings"], list)
 
 
 def test_a_store_that_is_not_there_is_one_error_line(cli, tmp_path):

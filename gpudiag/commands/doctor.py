@@ -32,9 +32,11 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.table import Table
 from rich.text import Text
 
 from gpudiag.errors import GpudiagError
+from gpudiag.render import figure_column, identity_column, terminal_table, text_column
 
 OK, MISSING, WRONG = "ok", "missing", "wrong"
 FEATURES = ("nvml", "cuda", "torch", "ebpf")
@@ -372,6 +374,22 @@ def run_checks(features: list[str] | None = None, *, ebpf_mode: str | None = Non
 _STYLE = {OK: "green", MISSING: "yellow", WRONG: "red"}
 
 
+def checks_table(checks: list[dict[str, Any]]) -> Table:
+    """The checks as a table that reads at 80 columns: status, the check's name whole, its detail and fix wrapped."""
+    names = [f"{c['feature']}: {c['name']}" + ("" if c["required"] else " (optional)") for c in checks]
+    table = terminal_table(show_header=False, box=None)
+    figure_column(table, "status")
+    identity_column(table, "check", names)
+    text_column(table, "detail")
+    for c, name in zip(checks, names):
+        detail = Text(c["detail"] or "")
+        if c["status"] != OK and c["fix"]:
+            detail.append(f"\nfix: {c['fix']}", style="cyan")
+        table.add_row(Text(c["status"], style=_STYLE[c["status"]]),
+                      Text(name, style="bold" if c["required"] else ""), detail)
+    return table
+
+
 def register(app: typer.Typer) -> None:
     """Add the ``doctor`` command."""
 
@@ -407,15 +425,8 @@ def register(app: typer.Typer) -> None:
                     console.print(Text(f"  - {line}"))
             if ebpf_mode is not None:
                 console.print(Text(f"agent config {config}: probes.ebpf = {ebpf_mode}", style="dim"))
-            for c in result["checks"]:
-                line = Text(f"{c['status']:<8}", style=_STYLE[c["status"]])
-                line.append(f"{c['feature']}: {c['name']}", style="bold")
-                if not c["required"]:
-                    line.append(" (optional)", style="dim")
-                line.append(f"  {c['detail']}")
-                console.print(line)
-                if c["status"] != OK and c["fix"]:
-                    console.print(Text(f"{'':8}fix: {c['fix']}", style="cyan"))
+            if result["checks"]:
+                console.print(checks_table(result["checks"]))
             if not result["ok"]:
                 verdict = "something needed is missing or wrong (see fix)"
             elif result["driver"]["present"]:

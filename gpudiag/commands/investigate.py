@@ -16,10 +16,10 @@ from typing import Optional
 import typer
 from rich.console import Console, Group
 from rich.panel import Panel
-from rich.table import Table
 from rich.text import Text
 
-from gpudiag.units import fmt_bytes, fmt_seconds, fmt_value
+from gpudiag.render import evidence_table, figure_column, identity_column, terminal_table
+from gpudiag.units import fmt_bytes, fmt_seconds
 
 _STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 
@@ -209,21 +209,17 @@ def _print(out: Console, doc: dict, findings, html: str | None) -> None:
             if f.caused_by:
                 head.append("\n" + pad + "   caused by: " + ", ".join(f.caused_by), style="dim")
             parts.append(head)
-            ev = Table(show_header=True, header_style="dim", box=None, padding=(0, 1))
-            for col in ("   " + pad + "metric", "observed", "baseline", "threshold"):
-                ev.add_column(col)
-            for e in f.evidence:
-                ev.add_row("   " + pad + e.metric, fmt_value(e.observed, e.unit), fmt_value(e.baseline, e.unit),
-                           fmt_value(e.threshold, e.unit))
-            parts.append(ev)
+            parts.append(evidence_table(f.evidence, "   " + pad))
         out.print(Panel(Group(*parts), title="Causal chain (root cause first)"))
     mem = [m for m in doc["memory"] if m["implicated"]] or doc["memory"]
     if mem:
         label = "implicated processes" if any(m["implicated"] for m in doc["memory"]) else "processes"
-        table = Table(title=f"Three-colour memory of the {label} (latest sample)")
-        for col in ("node", "gpu", "pid", "process", "white", "grey", "black", "grey-white", "black-grey",
-                    "largest free block"):
-            table.add_column(col, justify="left" if col in ("node", "process") else "right")
+        table = terminal_table(f"Three-colour memory of the {label} (latest sample)")
+        for col in ("node", "gpu", "pid", "process"):
+            identity_column(table, col, ["" if m[col] is None else m[col] for m in mem],
+                            justify="left" if col in ("node", "process") else "right")
+        for col in ("white", "grey", "black", "grey-white", "black-grey", "largest free block"):
+            figure_column(table, col, justify="right")
         for m in mem:
             table.add_row(str(m["node"]), str(m["gpu"]), str(m["pid"]), str(m["process"] or ""),
                           fmt_bytes(m["white_bytes"]), fmt_bytes(m["grey_bytes"]), fmt_bytes(m["black_bytes"]),

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gpudiag.errors import GpudiagError
-from gpudiag.render import findings_panel, identity_column, text_column
+from gpudiag.render import figure_column, findings_panel, identity_column, terminal_table, text_column
 from gpudiag.units import fmt_bytes, fmt_ratio, fmt_seconds
 
 
@@ -149,10 +149,7 @@ def _incident_table(doc) -> Table:
     from gpudiag.repro import RECOVERY_RATIO
 
     phases = doc["phases"]
-    t = Table(title=f"{doc['scenario']}" + (f" with --fix {doc['fix']}" if doc["fix"] else " (unfixed)"))
-    t.add_column("signal", style="bold")
-    for p in phases:
-        t.add_column(f"{p['name']} ({fmt_seconds(p['start_s'])}–{fmt_seconds(p['end_s'])})")
+    t = terminal_table(f"{doc['scenario']}" + (f" with --fix {doc['fix']}" if doc["fix"] else " (unfixed)"))
     rows = [
         ("QPS", [f"{p['qps']:.1f}" for p in phases]),
         ("GPU utilization", [_range(p) for p in phases]),
@@ -169,30 +166,34 @@ def _incident_table(doc) -> Table:
         (f"TTFT and TPOT P99 back within {RECOVERY_RATIO:g}x of {phases[0]['name']}",
          [_recovered(p, i) for i, p in enumerate(phases)]),
     ]
+    identity_column(t, "signal", [name for name, _ in rows], style="bold")
+    for p in phases:
+        figure_column(t, f"{p['name']} ({fmt_seconds(p['start_s'])}–{fmt_seconds(p['end_s'])})")
     for name, cells in rows:
         t.add_row(name, *cells)
     return t
 
 
 def _slo_table(docs) -> Table:
-    t = Table(title="Latency over the whole run")
-    t.add_column("metric", style="bold")
-    for d in docs:
-        t.add_column(d["fix"] or "unfixed", justify="right")
-    if len(docs) == 2:
-        t.add_column("change", justify="right")
+    t = terminal_table("Latency over the whole run")
     keys = [("TTFT P50", "ttft_p50_s"), ("TTFT P99", "ttft_p99_s"), ("queue time P99", "queue_p99_s"),
             ("prefill time P99", "prefill_p99_s"), ("TPOT P50", "tpot_p50_s"), ("TPOT P99", "tpot_p99_s"),
             ("TPOT P999", "tpot_p999_s"), ("e2e P99", "e2e_p99_s")]
+    totals = [("requests finished", "requests"), ("evictions", "evictions"),
+              ("recomputed tokens", "recomputed_tokens"), ("KV alloc failures", "alloc_failures"),
+              ("allocator retries", "num_alloc_retries"), ("allocator OOMs", "num_ooms")]
+    identity_column(t, "metric", [label for label, _ in keys + totals], style="bold")
+    for d in docs:
+        figure_column(t, d["fix"] or "unfixed", justify="right")
+    if len(docs) == 2:
+        figure_column(t, "change", justify="right")
     for label, k in keys:
         vals = [d["slo"][k] for d in docs]
         cells = [fmt_seconds(v) for v in vals]
         if len(docs) == 2:
             cells.append(f"{vals[1] / vals[0]:.2f}x" if vals[0] and vals[1] is not None else "n/a")
         t.add_row(label, *cells)
-    for label, k in [("requests finished", "requests"), ("evictions", "evictions"),
-                     ("recomputed tokens", "recomputed_tokens"), ("KV alloc failures", "alloc_failures"),
-                     ("allocator retries", "num_alloc_retries"), ("allocator OOMs", "num_ooms")]:
+    for label, k in totals:
         vals = [d["totals"][k] for d in docs]
         cells = [str(v) for v in vals]
         if len(docs) == 2:

@@ -6,8 +6,10 @@ memory layers drawn nested (white = allocated inside grey = reserved inside
 black = what the driver charges) and host CPU with the busiest thread. Per
 engine: running and waiting requests, KV-cache usage, preemptions, and TTFT
 and inter-token latency P50/P99 over the last ``--latency-window`` seconds.
-With ``--store PATH`` (an agent's store) the findings open in the agent are
-named on one line.
+With ``--agent URL`` (its ``/metrics``) or ``--store PATH`` (its store) the
+findings open in the agent are named on one line; without either, top runs
+the analyzers itself over the last 15 minutes of its samples, in the
+background every 10 s, and names what they detect.
 
 The first frame is drawn at once with what is known (the node, the clock)
 while the probes open — the simulated engine generates its whole workload
@@ -60,9 +62,23 @@ BAR_WIDTH = 30
 # theirs; and a storm still shows within a minute of starting.
 DEFAULT_LATENCY_WINDOW = "60s"
 
-# The agent's store is read for open findings at most this often: a finding opens over
-# tens of seconds, and each read is a query on a file the agent is writing.
+# The agent (its store, or its /metrics) is read for open findings at most this often: a
+# finding opens over tens of seconds, and each read is a query on a file the agent is writing
+# or an HTTP request to a process serving Prometheus too.
 FINDINGS_REFRESH_S = 5.0
+
+# An agent that has not answered within this is reported as not answering: the view's tick is
+# one second, and the agent's own exporter answers a scrape in milliseconds.
+AGENT_TIMEOUT_S = 2.0
+
+# Without an agent, top runs the analyzers itself at most this often: the agent's own pace
+# (agent/config.py, analyzers.interval_s is 10-15 s), and a finding takes tens of seconds to open.
+LOCAL_ANALYSIS_EVERY_S = 10.0
+
+# The span of samples top keeps for that analysis: the agent's default window (agent/config.py,
+# analyzers.window_s), so the longest least spans (oom_forecast's and prefix_cache_thrash's
+# 600 s) fit, and top judges what the agent would.
+LOCAL_WINDOW_S = 900.0
 
 
 class _TopCommand(TyperCommand):
@@ -297,11 +313,180 @@ class OpenFindings:
         self.store.close()
 
 
+class Refreshing:
+    """``fetch()`` run in a background thread at most every ``every_s``; the view reads its last answer.
+
+    The screen's tick never waits on a slow agent or a long analysis: :meth:`poll`
+    starts a new run when one is due and none is going, and returns what the last
+    finished run gave (``None`` before the first). ``fetch`` never raises: it
+    returns what it could not do as data.
+    """
+
+    def __init__(self, fetch, every_s: float, name: str):
+        self.fetch, self.every_s, self.name = fetch, every_s, name
+        self.latest: Any = None
+        self._started_s = -math.inf
+        self._thread: threading.Thread | None = None
+
+    def _run(self) -> None:
+        self.latest = self.fetch()
+
+    def poll(self, now: float) -> Any:
+        """Start a run when one is due and none is going; the last finished run's answer."""
+        if (self._thread is None or not self._thread.is_alive()) and now - self._started_s >= self.every_s:
+            self._started_s = now
+            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+            self._thread.start()
+        return self.latest
+
+    def join(self, timeout_s: float | None = None) -> None:
+        """Wait for the run under way, if any, to finish."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def now(self) -> Any:
+        """Run once in this thread (``--once``: there is no next frame to wait for) and return the answer."""
+        self.join()
+        self._run()
+        return self.latest
+
+
+def agent_metrics_url(url: str) -> str:
+    """The agent's ``/metrics`` URL from what a user types: ``host:9400``, ``http://host:9400``, or the full URL."""
+    from urllib.parse import urlsplit
+
+    if "://" not in url:
+        url = "http://" + url
+    parts = urlsplit(url)
+    if not parts.netloc:
+        raise GpudiagError(f"--agent {url!r}: expected the agent's address, e.g. http://127.0.0.1:9400")
+    return url if parts.path not in ("", "/") else url.rstrip("/") + "/metrics"
+
+
+def read_agent_findings(url: str, timeout_s: float = AGENT_TIMEOUT_S) -> dict[str, Any]:
+    """The findings open in a running agent, from the ``finding_active`` series of its ``/metrics``.
+
+    ``{"url", "reachable", "error", "findings": [{"kind", "severity", "gpu", "node"}]}``, most
+    severe first. An agent that does not answer, or answers with something that is not its
+    exposition, is ``reachable: False`` with the reason in ``error``; it never raises.
+    """
+    import urllib.error
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gpudiag.catalog import CATALOG
+
+    out: dict[str, Any] = {"url": url, "reachable": False, "error": None, "findings": []}
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            page = response.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as exc:
+        out["error"] = f"HTTP {exc.code} {exc.reason}"
+        return out
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        out["error"] = str(getattr(exc, "reason", None) or exc)
+        return out
+    name = CATALOG[M.finding_active].name
+    found = []
+    try:
+        for family in text_string_to_metric_families(page):
+            for sample in family.samples:
+                if sample.name == name and sample.value:
+                    gpu = sample.labels.get("gpu")
+                    found.append({"kind": sample.labels.get("kind"), "severity": sample.labels.get("severity"),
+                                  "gpu": int(gpu) if gpu and gpu.isdigit() else (gpu or None),
+                                  "node": sample.labels.get("node") or None})
+    except (ValueError, TypeError, KeyError, IndexError) as exc:  # the parser's answers to a non-Prometheus page
+        out["error"] = f"not a metrics page: {exc}"
+        return out
+    out["reachable"] = True
+    out["findings"] = sorted(found, key=lambda f: (_SEVERITY_RANK.get(f["severity"], 3), f["kind"] or ""))
+    return out
+
+
+_SEVERITY_RANK = {"critical": 0, "warning": 1, "info": 2}
+
+
+class AgentFindings:
+    """The findings open in a running agent (``--agent URL``), read in the background at most every
+    FINDINGS_REFRESH_S; an agent that stops answering is said to, and the view goes on."""
+
+    def __init__(self, url: str):
+        self.url = agent_metrics_url(url)
+        self.reader = Refreshing(lambda: read_agent_findings(self.url), FINDINGS_REFRESH_S, "gpudiag-top-agent")
+
+    def read(self, now: float, *, wait: bool = False) -> dict[str, Any]:
+        """``read_agent_findings``'s last answer (``reachable: None`` before the first); ``wait``: read now."""
+        doc = self.reader.now() if wait else self.reader.poll(now)
+        return doc or {"url": self.url, "reachable": None, "error": None, "findings": []}
+
+    def close(self) -> None:
+        """Nothing to release: the reads are single HTTP requests."""
+
+
+def detect_locally(frames: list[Frame], window_s: float = LOCAL_WINDOW_S) -> dict[str, Any]:
+    """Run every analyzer (``analyzers.registry.run_all``) over ``frames``, as the agent does over its window.
+
+    ``{"window_s", "first_s", "last_s", "analyzers", "judged", "findings": [{"kind", "severity",
+    "gpu", "start_s", "end_s", "open", "summary"}]}``: ``judged`` is how many analyzers had the
+    inputs and the span to judge (``registry.coverage``), so "nothing found" says how much was
+    looked at. An analyzer failure is an ``error``, not a traceback on the screen.
+    """
+    from gpudiag.analyzers.registry import ANALYZERS, coverage, run_all
+    from gpudiag.frames import Window
+
+    out: dict[str, Any] = {"window_s": window_s, "first_s": None, "last_s": None, "analyzers": len(ANALYZERS),
+                           "judged": 0, "findings": [], "error": None}
+    if not frames:
+        return out
+    try:
+        window = Window.from_frames(frames, sources=["top"])
+        out["first_s"], out["last_s"] = window.start_s, window.end_s
+        out["judged"] = len(coverage(window)["ran"])
+        found = run_all(window)
+    except Exception as exc:  # noqa: BLE001 - an analyzer bug must not take the live view down
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        return out
+    out["findings"] = sorted(({"kind": f.kind, "severity": f.severity.value, "gpu": f.gpu, "start_s": f.start_s,
+                               "end_s": f.end_s, "open": f.open, "summary": f.summary} for f in found),
+                             key=lambda f: (not f["open"], _SEVERITY_RANK.get(f["severity"], 3), f["start_s"]))
+    return out
+
+
+class LocalFindings:
+    """Findings detected by top itself (no agent): the last LOCAL_WINDOW_S of its samples, analyzed
+    in a background thread at most every LOCAL_ANALYSIS_EVERY_S."""
+
+    def __init__(self, window_s: float = LOCAL_WINDOW_S, every_s: float = LOCAL_ANALYSIS_EVERY_S):
+        self.window_s = window_s
+        self.frames: deque[Frame] = deque()
+        self._lock = threading.Lock()
+        self.analysis = Refreshing(self._analyze, every_s, "gpudiag-top-analyzers")
+
+    def add(self, frames: list[Frame], now: float) -> None:
+        """Keep one tick's frames; forget those older than the window."""
+        with self._lock:
+            self.frames.extend(frames)
+            while self.frames and self.frames[0].t < now - self.window_s:
+                self.frames.popleft()
+
+    def _analyze(self) -> dict[str, Any]:
+        with self._lock:
+            frames = list(self.frames)
+        return detect_locally(frames, self.window_s)
+
+    def read(self, now: float, *, wait: bool = False) -> dict[str, Any] | None:
+        """The last analysis (``None`` before the first finished); ``wait``: analyze now, in this thread."""
+        return self.analysis.now() if wait else self.analysis.poll(now)
+
+
 class TopModel:
     """One tick of every probe, joined by the three-colour tracker into what ``top`` shows."""
 
     def __init__(self, probes: list[Probe], *, sim: str | None = None, node: str | None = None,
-                 latency_window_s: float = 60.0, findings: OpenFindings | None = None):
+                 latency_window_s: float = 60.0, findings: OpenFindings | AgentFindings | None = None,
+                 local: LocalFindings | None = None):
         self.probes = probes
         self.keys = _unique_names(probes)
         self.sim = sim
@@ -313,10 +498,15 @@ class TopModel:
         self.tracker = ThreeColourTracker(window_s=120.0)
         self.latency = LatencyWindow(latency_window_s)
         self.findings = findings
+        self.local = local
         self.errors: dict[str, str] = {}
 
-    def tick(self, now: float | None = None) -> dict[str, Any]:
-        """Sample every probe once and return the view as plain data (JSON-ready)."""
+    def tick(self, now: float | None = None, *, wait: bool = False) -> dict[str, Any]:
+        """Sample every probe once and return the view as plain data (JSON-ready).
+
+        ``wait``: read the agent and analyze the window in this thread before returning (one
+        frame, ``--once``); the live view never waits for either.
+        """
         now = time.time() if now is None else now
         frames: list[Frame] = []
         self.errors = {}
@@ -356,8 +546,15 @@ class TopModel:
                 "gpus": sorted(by_kind.get("gpu", []), key=lambda r: (r.get("gpu") is None, r.get("gpu"))),
                 "processes": processes, "engines": engines,
                 "probes": statuses, "errors": dict(self.errors)}
-        if self.findings is not None:
+        if isinstance(self.findings, AgentFindings):
+            agent = self.findings.read(now, wait=wait)
+            view["agent"] = {k: agent[k] for k in ("url", "reachable", "error")}
+            view["findings"] = agent["findings"]
+        elif self.findings is not None:
             view["findings"] = self.findings.read(now)
+        if self.local is not None:
+            self.local.add(frames, now)
+            view["detected_here"] = self.local.read(now, wait=wait)
         return view
 
     def close(self) -> None:
@@ -564,15 +761,56 @@ def _engine_table(view: dict[str, Any], width: int) -> tuple[Table, Text]:
     return table, notes
 
 
-def _findings_line(findings: list[dict[str, Any]]) -> Text:
+def _finding_words(f: dict[str, Any]) -> str:
+    gpu = "" if f.get("gpu") is None else f" gpu {f['gpu']}"
+    return f"{f['kind']} {f.get('severity') or '?'}{gpu}"
+
+
+def _finding_style(f: dict[str, Any]) -> str:
+    return "bold red" if f.get("severity") == "critical" else "yellow" if f.get("severity") == "warning" else "cyan"
+
+
+def findings_line(findings: list[dict[str, Any]], agent: dict[str, Any] | None = None) -> Text:
+    """"agent: 2 open: kv_eviction_storm critical gpu 0, ...", or what stops the agent being read."""
+    if agent is not None and agent.get("reachable") is None:
+        return Text(f"agent: reading {agent['url']}", style="dim")
+    if agent is not None and not agent.get("reachable"):
+        return Text(f"agent: {agent['url']} not answering: {agent.get('error')}", style="red")
     if not findings:
         return Text("agent: no open finding", style="green")
     line = Text(f"agent: {len(findings)} open: ", style="bold")
     for i, f in enumerate(findings):
         if i:
             line.append(", ")
-        gpu = "" if f.get("gpu") is None else f" gpu {f['gpu']}"
-        line.append(f"{f['kind']}{gpu}", style="bold red" if f.get("severity") == "critical" else "yellow")
+        line.append(_finding_words(f), style=_finding_style(f))
+    return line
+
+
+def _clock(t: float | None) -> str:
+    return "?" if t is None else time.strftime("%H:%M:%S", time.localtime(t))
+
+
+def detected_line(doc: dict[str, Any] | None) -> Text:
+    """"detected here: kv_eviction_storm warning gpu 0 since 12:03:04", or what was looked at when nothing was.
+
+    ``doc`` is :func:`detect_locally`'s answer (``None`` while the first analysis runs).
+    """
+    if doc is None:
+        return Text("detected here: analyzing the samples seen so far", style="dim")
+    if doc.get("error"):
+        return Text(f"detected here: the analysis failed: {doc['error']}", style="red")
+    if not doc["findings"]:
+        held = 0.0 if doc.get("first_s") is None else doc["last_s"] - doc["first_s"]
+        seen = f"{held:.0f} s" if held < 60 else f"{held / 60:.0f} min"
+        span = f"the last {doc['window_s'] / 60:.0f} min" if held >= doc["window_s"] - 1 else f"the {seen} seen so far"
+        return Text(f"detected here: nothing in {span} ({doc['judged']} of {doc['analyzers']} analyzers "
+                    "could judge)", style="green")
+    line = Text("detected here: ", style="bold")
+    for i, f in enumerate(doc["findings"]):
+        if i:
+            line.append(", ")
+        when = f"since {_clock(f['start_s'])}" if f.get("open") else f"{_clock(f['start_s'])}-{_clock(f['end_s'])}"
+        line.append(f"{_finding_words(f)} {when}", style=_finding_style(f) if f.get("open") else "dim")
     return line
 
 
@@ -599,7 +837,9 @@ def render(view: dict[str, Any], width: int = 200, *, interactive: bool = True) 
     if view.get("starting"):
         parts.append(Text(f"starting: {view['starting']}", style="cyan"))
     if "findings" in view:
-        parts.append(_findings_line(view["findings"]))
+        parts.append(findings_line(view["findings"], view.get("agent")))
+    if "detected_here" in view:
+        parts.append(detected_line(view["detected_here"]))
     waiting = "waiting for the first sample" if view.get("starting") or not view.get("probes") else None
     parts.append(_gpu_table(view, width) if view["gpus"] else Text(f"GPUs: {waiting or 'none seen'}",
                                                                  style="dim" if waiting else "yellow"))
@@ -710,6 +950,9 @@ def register(app: typer.Typer) -> None:
             "--runtime-dir", metavar="DIR", help="Where in-process reporters write (repeatable).")] = None,
         store: Annotated[str | None, typer.Option(
             "--store", metavar="PATH", help="An agent's store: name the findings open in it.")] = None,
+        agent: Annotated[str | None, typer.Option(
+            "--agent", metavar="URL", help="A running agent (http://HOST:9400): name the findings open in it. "
+                                          "Without --agent or --store, top runs the analyzers itself.")] = None,
         speed: Annotated[float, typer.Option(
             "--speed", min=0.01, help="With --sim: simulated seconds per second.")] = 1.0,
         seed: Annotated[int, typer.Option("--seed", help="With --sim: the workload's random seed.")] = 0,
@@ -718,19 +961,22 @@ def register(app: typer.Typer) -> None:
         if json_out and not once:
             raise GpudiagError("--json prints one frame: use it with --once")
         window_s = parse_duration(latency_window)
-        findings = OpenFindings(store) if store else None
+        if agent and store:
+            raise GpudiagError("--agent and --store both name an agent's findings: give one")
+        findings = AgentFindings(agent) if agent else OpenFindings(store) if store else None
 
         def open_model() -> TopModel:
             probes = open_probes(sim, speed=speed, seed=seed, engine_urls=engine or [],
                                  runtime_dirs=runtime_dir or None)
-            return TopModel(probes, sim=sim, latency_window_s=window_s, findings=findings)
+            return TopModel(probes, sim=sim, latency_window_s=window_s, findings=findings,
+                            local=None if findings is not None else LocalFindings())
 
         if once:
             model = open_model()
             try:
                 model.tick()  # CPU figures and trends are differences: take a baseline first
                 time.sleep(min(interval, 1.0))
-                view = model.tick()
+                view = model.tick(wait=True)
                 if json_out:
                     sys.stdout.write(json.dumps(json_ready(view), indent=1) + "\n")
                 else:
