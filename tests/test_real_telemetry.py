@@ -32,7 +32,7 @@ STRICT_A100_LINE = re.compile(r"\d{4}/\d{2}/\d{2} \d{2}:\d{2}:\d{2}\.\d{3}, NVID
 def _investigate(cli, *paths) -> tuple[int, dict]:
     args = ["investigate"] + [a for p in paths for a in ("--file", str(p))] + ["--json"]
     p = cli(*args, env=UTC_ENV)
-    assert p.returncode in (0, 1), p.stderr
+    assert p.returncode in (0, 1, 3), p.stderr  # 3: nothing found, some analyzers blind (no engine, no allocator)
     return p.returncode, json.loads(p.stdout)
 
 
@@ -42,10 +42,11 @@ def _data_lines(path) -> list[str]:
 
 
 def _no_harm(rc: int, doc: dict) -> None:
-    """A healthy run: nothing of warning level or above, exit 0, and the blind spots named."""
+    """A healthy run: nothing of warning level or above, and the blind spots named -- exit 3, inconclusive:
+    a GPU log has no engine, allocator or process view, so nothing found is not everything checked."""
     serious = [(f["kind"], f["severity"], f["summary"]) for f in doc["findings"]
                if f["severity"] in ("warning", "critical")]
-    assert not serious and rc == 0, serious
+    assert not serious and rc == 3 and not doc["coverage"]["conclusive"], serious
     gaps = {g["check"] for g in doc["gaps"]}
     assert {"per-process driver memory (black)", "caching allocator (white, grey)", "serving engine"} <= gaps
 
