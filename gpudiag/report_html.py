@@ -133,7 +133,7 @@ def _flat(value, prefix: str = "") -> dict[str, float]:
     return {prefix: f} if f is not None else {}
 
 
-def _labelled_counter(df: pd.DataFrame, col: str, bin_s: float) -> dict[str, pd.Series]:
+def labelled_counter_increases(df: pd.DataFrame, col: str, bin_s: float) -> dict[str, pd.Series]:
     """Per-bin increases of each label value of a dict-valued counter column (XID codes, ECC kinds)."""
     import pandas as pd
 
@@ -142,10 +142,12 @@ def _labelled_counter(df: pd.DataFrame, col: str, bin_s: float) -> dict[str, pd.
     rows = [(t, _flat(v)) for t, v in zip(df["t"].tolist(), df[col].tolist()) if isinstance(v, dict)]
     if not rows:
         return {}
-    wide = pd.DataFrame([r for _, r in rows], index=[t for t, _ in rows])
+    # A label absent before it first appears counted 0 there (an XID's first event is its 0 -> 1); a
+    # label missing for a while after it appeared holds its last count (a gap, not a reset).
+    wide = pd.DataFrame([r for _, r in rows], index=[t for t, _ in rows]).ffill().fillna(0.0)
     out = {}
     for label in wide.columns:
-        v = wide[label].dropna()
+        v = wide[label]
         inc = v.diff().fillna(0.0).clip(lower=0.0)
         s = inc.groupby((v.index.to_numpy(float) // bin_s) * bin_s).sum()
         if s.sum() > 0:
@@ -438,7 +440,7 @@ def _draw_error_events(ctx, f, fig):
                        (M.gpu_nvlink_errors_total, "NVLink"), (M.gpu_remapped_rows_total, "remapped rows"),
                        (M.gpu_retired_pages_total, "retired pages")):
         if col in gpu and gpu[col].map(lambda v: isinstance(v, dict)).any():
-            for key, s in _labelled_counter(gpu, col, ctx.bin_s).items():
+            for key, s in labelled_counter_increases(gpu, col, ctx.bin_s).items():
                 _bars(fig, s, f"{label} {key}")
         elif col in gpu:
             _bars(fig, _increase(gpu, col, ctx.bin_s, ("gpu",)), label)

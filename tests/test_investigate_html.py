@@ -228,3 +228,14 @@ def test_a_screenshot_of_each_scenario_report_shows_its_charts(scenario, reports
     # A blank or single-colour page compresses to a few kilobytes; charts with text and fills do not.
     assert shot.stat().st_size > 100_000, shot.stat().st_size
     assert len(set(pixels[i:i + 4] for i in range(0, len(pixels), 4096))) > 50
+
+
+def test_an_xid_that_first_appears_in_the_window_is_drawn_as_one_event():
+    import pandas as pd
+
+    from gpudiag.report_html import labelled_counter_increases
+
+    gpu = pd.DataFrame({"t": [0.0, 10.0, 20.0, 30.0, 40.0],
+                        "xid": [{}, {}, {"79": 1.0}, {}, {"79": 1.0}]})  # the label missing at 30 s: a gap
+    (series,) = labelled_counter_increases(gpu, "xid", 10.0).values()
+    assert series.sum() == 1.0 and series[20.0] == 1.0
