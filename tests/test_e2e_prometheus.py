@@ -21,8 +21,6 @@ import json
 import math
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +31,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from prometheus_support import free_port, stop, wait
 
 from gpudiag.catalog import CONTEXT_BUCKETS
 from gpudiag.findings import alert_name
@@ -58,7 +57,6 @@ HEALTHY_END_SIM_S = STORM_LONG_PHASE[0] - 300.0
 PROMETHEUS_READY_S = 30.0
 AGENT_READY_S = 30.0
 STORM_FIRING_S = 120.0
-STOP_GRACE_S = 10.0
 # Grafana's interval macros: a few scrape intervals, so rate() sees several samples.
 GRAFANA_MACROS = {"$__rate_interval": "5s", "${__rate_interval}": "5s", "$__interval": "5s",
                   "${__interval}": "5s", "$__range": "1h", "${__range}": "1h"}
@@ -104,11 +102,6 @@ NO_DATA_ON_SIM: dict[str, tuple[str, ...]] = {
     "external-exporters": ("node_cpu_seconds_total", "kube_pod_status_phase"),
 }
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _duration_s(text: str) -> float:
@@ -170,32 +163,6 @@ class Prom:
         return min(stamps) if stamps else None
 
 
-def _wait(what: str, deadline_s: float, probe, *procs: subprocess.Popen):
-    """Poll ``probe`` until it returns something truthy; fail at the deadline or when a process died."""
-    end = time.monotonic() + deadline_s
-    while True:
-        for p in procs:
-            if p.poll() is not None:
-                pytest.fail(f"{what}: {p.args[0]} exited with {p.returncode} while waiting")
-        try:
-            got = probe()
-        except (OSError, urllib.error.URLError, ValueError):
-            got = None
-        if got:
-            return got
-        if time.monotonic() > end:
-            pytest.fail(f"{what}: not within {deadline_s:g} s")
-        time.sleep(0.25)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(STOP_GRACE_S)
 
 
 def _http_ok(url: str) -> bool:
@@ -220,7 +187,7 @@ def agent_and_prometheus(tmp: Path, scenario: str):
     if not os.path.exists(PROMETHEUS):
         pytest.fail(f"{PROMETHEUS} not found: install Debian's prometheus package "
                     "(scripts/system-deps.d/20-prometheus.sh; CI runs it)")
-    agent_port, prom_port = _free_port(), _free_port()
+    agent_port, prom_port = free_port(), free_port()
     rules, windows = shortened_rules((DASH_DIR / "alerts.yaml").read_text(), SIM_SPEED)
     (tmp / "alerts.yaml").write_text(rules)
     (tmp / "prometheus.yml").write_text(yaml.safe_dump({
@@ -237,7 +204,7 @@ def agent_and_prometheus(tmp: Path, scenario: str):
              f"--web.listen-address=127.0.0.1:{prom_port}"], stdout=prom_log, stderr=subprocess.STDOUT)
         procs.append(prom_proc)
         base = f"http://127.0.0.1:{prom_port}"
-        _wait("prometheus /-/ready", PROMETHEUS_READY_S, lambda: _http_ok(f"{base}/-/ready"), prom_proc)
+        wait("prometheus /-/ready", PROMETHEUS_READY_S, lambda: _http_ok(f"{base}/-/ready"), prom_proc)
         prom = Prom(base)
         loaded = {r["name"] for g in prom.get("/api/v1/rules")["groups"] for r in g["rules"]}
         assert loaded == set(windows), "Prometheus did not load every rule of alerts.yaml"
@@ -248,13 +215,13 @@ def agent_and_prometheus(tmp: Path, scenario: str):
             stdout=agent_log, stderr=subprocess.STDOUT)
         procs.append(agent_proc)
         metrics = f"http://127.0.0.1:{agent_port}/metrics"
-        _wait("agent /metrics", AGENT_READY_S, lambda: _http_ok(metrics), agent_proc)
-        _wait("the agent's first scrape", AGENT_READY_S,
+        wait("agent /metrics", AGENT_READY_S, lambda: _http_ok(metrics), agent_proc)
+        wait("the agent's first scrape", AGENT_READY_S,
               lambda: prom.instant('up{job="gpudiag"} == 1'), agent_proc, prom_proc)
         yield prom, metrics, windows, time.time(), (agent_proc, prom_proc)
     finally:
         for p in reversed(procs):
-            _stop(p)
+            stop(p)
         prom_log.close()
         agent_log.close()
 
@@ -264,13 +231,13 @@ def run(tmp_path_factory):
     """Agent + Prometheus through the healthy phase and until the storm alert fires; the run's timings."""
     tmp = tmp_path_factory.mktemp("e2e")
     with agent_and_prometheus(tmp, SCENARIO) as (prom, metrics, windows, started, procs):
-        _wait(f"simulated time {HEALTHY_END_SIM_S:g} s", STORM_FIRING_S,
+        wait(f"simulated time {HEALTHY_END_SIM_S:g} s", STORM_FIRING_S,
               lambda: (_agent_sim_seconds(metrics) or 0) >= HEALTHY_END_SIM_S, *procs)
         healthy_end = time.time()
 
         storm = alert_name(STORM_KIND)
         firing_sel = f'ALERTS{{alertname="{storm}", alertstate="firing"}}'
-        _wait(f"{storm} firing", STORM_FIRING_S, lambda: prom.instant(firing_sel), *procs)
+        wait(f"{storm} firing", STORM_FIRING_S, lambda: prom.instant(firing_sel), *procs)
         fired_seen = time.time()
         # A few more scrapes, so every rate() window at the end of the span holds samples.
         time.sleep(3 * SCRAPE_INTERVAL_S)
@@ -448,9 +415,9 @@ def test_a_leak_alert_fires_and_keeps_firing_while_the_leak_goes_on(tmp_path):
     leak = alert_name("memory_leak")
     firing_sel = f'ALERTS{{alertname="{leak}", alertstate="firing"}}'
     with agent_and_prometheus(tmp_path, LEAK_SCENARIO) as (prom, metrics, windows, started, procs):
-        _wait(f"{leak} firing", LEAK_FIRING_S, lambda: prom.instant(firing_sel), *procs)
+        wait(f"{leak} firing", LEAK_FIRING_S, lambda: prom.instant(firing_sel), *procs)
         fired = time.time()
-        _wait(f"simulated time {LEAK_WATCH_END_SIM_S:g} s", LEAK_FIRING_S,
+        wait(f"simulated time {LEAK_WATCH_END_SIM_S:g} s", LEAK_FIRING_S,
               lambda: (_agent_sim_seconds(metrics) or 0) >= LEAK_WATCH_END_SIM_S, *procs)
         end = time.time()
         series = prom.over(firing_sel, fired, end)
