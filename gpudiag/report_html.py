@@ -242,17 +242,22 @@ LAYER_STYLE = {"white": ("white: allocated", "#9a9a9a", "dot"), "grey": ("grey: 
                "black": ("black: driver", "#000", "solid")}
 
 
-def _draw_three_colours_trend(ctx, f, fig):
-    cols = _layer_columns()
-    proc = ctx.table("process", f, by_pid=True)
-    if proc.empty:
-        return
+def _colour_lines(fig, proc, cols) -> None:
+    """Each process's three colours (white, grey, black) as lines, in GiB."""
     for pid, rows in proc.groupby("pid", sort=True):
         rows = I._thin(rows)
         for layer, (label, colour, dash) in LAYER_STYLE.items():
             if cols[layer] in rows and rows[cols[layer]].notna().any():
                 fig.add_trace(_go().Scatter(x=I._x(rows["t"]), y=rows[cols[layer]] / GIB, mode="lines",
                                             name=f"pid {pid} {label}", line={"color": colour, "dash": dash}))
+
+
+def _draw_three_colours_trend(ctx, f, fig):
+    cols = _layer_columns()
+    proc = ctx.table("process", f, by_pid=True)
+    if proc.empty:
+        return
+    _colour_lines(fig, proc, cols)
     if not fig.data:
         return
     gpu = ctx.table("gpu", f)
@@ -452,12 +457,7 @@ def _draw_memory_generic(ctx, f, fig):
     cols = _layer_columns()
     if proc.empty or "pid" not in proc:
         return
-    for pid, rows in proc.groupby("pid", sort=True):
-        rows = I._thin(rows)
-        for layer, (label, colour, dash) in LAYER_STYLE.items():
-            if cols[layer] in rows and rows[cols[layer]].notna().any():
-                fig.add_trace(_go().Scatter(x=I._x(rows["t"]), y=rows[cols[layer]] / GIB, mode="lines",
-                                            name=f"pid {pid} {label}", line={"color": colour, "dash": dash}))
+    _colour_lines(fig, proc, cols)
 
 
 def _draw_util_generic(ctx, f, fig):
