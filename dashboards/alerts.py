@@ -61,10 +61,11 @@ FINDING_TEXT: dict[str, tuple[str, str, str]] = {
         "The caching allocator holds enough free memory for a request but no hole large enough; KV allocations "
         "fail and the engine evicts. Run `gpudiag top` on the node and read the runbook."),
     "kv_eviction_storm": (
-        "1m", "KV eviction storm on {{ $labels.node }} GPU {{ $labels.gpu }}: evictions, recompute and decode "
-        "latency up.",
-        "The engine keeps evicting KV and recomputing prefixes; GPU utilization oscillates and P99 decode latency "
-        "rises for long sequences. Usually caused by fragmentation or a co-tenant."),
+        "1m", "KV eviction storm on {{ $labels.node }} GPU {{ $labels.gpu }}: sustained preemptions at a full "
+        "KV cache.",
+        "The engine keeps evicting running requests' KV and recomputing it: wasted work, a growing queue, falling "
+        "throughput or rising decode latency. The finding's cause says whether demand exceeded the KV capacity "
+        "(engine knobs) or the pool fragmented or shrank (a co-tenant)."),
     "oom_forecast": (
         "5m", "GPU {{ $labels.gpu }} on {{ $labels.node }} is forecast to run out of memory.",
         "The memory a process holds (reserved, or driver-charged) grows steadily towards the device capacity; "
