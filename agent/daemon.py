@@ -16,7 +16,7 @@ Threads, each with one job, so that a slow or failing part never stalls another:
   time over a sliding window (default 15 minutes) kept in memory, and turns
   what they return into open and resolved findings (:class:`FindingLog`).
 
-Every tick's frames go to :class:`~gpudiag.agent.prom_exporter.LatestFrames`
+Every tick's frames go to :class:`~gpudiag.exposition.LatestFrames`
 (the Prometheus endpoint and OTLP read it), to the store and to the window.
 
 In ``--sim`` mode the probe is the reference engine on the simulated GPU,
@@ -41,11 +41,12 @@ from typing import Any
 import psutil
 
 from gpudiag.agent.config import AgentConfig
-from gpudiag.agent.prom_exporter import LatestFrames, parse_listen, registry_for, serve
+from gpudiag.agent.prom_exporter import parse_listen, serve
 from gpudiag.agent.store import Store
 from gpudiag.agent.tracker import ThreeColourTracker
 from gpudiag.catalog import M
 from gpudiag.errors import GpudiagError
+from gpudiag.exposition import LatestFrames, registry_for
 from gpudiag.findings import Finding, Severity
 from gpudiag.frames import BufferPool, Frame, FrameColumns, Table, TableBuffer, Window
 from gpudiag.probes.base import Probe, ProbeError
@@ -673,7 +674,7 @@ class Agent:
         self._serve_metrics = serve_metrics
         if sim is not None:
             from gpudiag.reference_engine import scenarios
-            from gpudiag.reference_engine.engine import check_seed
+            from gpudiag.reference_engine.sim.engine import check_seed
 
             scenarios.get(sim)  # an unknown name is refused before the store is opened or created
             check_seed(seed)
@@ -727,12 +728,12 @@ class Agent:
                                        cfg.get("probes.engine_interval_s"), self._ingest))
             self.unavailable["ebpf"] = "not used with --sim (no real CUDA processes)"
             return slots
-        from gpudiag.commands.top import _unique_names, open_probes
+        from gpudiag.probes.node import open_probes, unique_names
 
         probes = open_probes(None, engine_urls=engine_urls)
         intervals = {"nvml": cfg.get("probes.nvml_interval_s"), "host": cfg.get("probes.host_interval_s"),
                      "torch": cfg.get("probes.torch_interval_s")}
-        for key, p in zip(_unique_names(probes), probes):
+        for key, p in zip(unique_names(probes), probes):
             interval = intervals.get(p.name, cfg.get("probes.engine_interval_s") if p.name == "engine" else 1.0)
             slots.append(ProbeSlot(key, p, interval, self._ingest))
         mode = cfg.get("probes.ebpf")

@@ -1,7 +1,7 @@
 """OTLP export: the latest frames as OTLP/HTTP metrics, and findings as OTLP log records.
 
 Metrics are pushed every ``interval_s`` (default 15 s) from the same samples
-the Prometheus endpoint serves (:func:`gpudiag.agent.prom_exporter.catalog_samples`),
+the Prometheus endpoint serves (:func:`gpudiag.exposition.catalog_samples`),
 so both views agree to the last bucket:
 
 * every catalog metric under its catalog name (``gpudiag_gpu_utilization_ratio``;
@@ -61,10 +61,10 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 import gpudiag
-from gpudiag.agent.prom_exporter import LatestFrames, ObservedHistogram, catalog_samples
 from gpudiag.catalog import CATALOG, COUNTER, HISTOGRAM, M
 from gpudiag.catalog import Metric as CatalogMetric
 from gpudiag.errors import GpudiagError
+from gpudiag.exposition import LatestFrames, ObservedHistogram, catalog_samples
 
 log = logging.getLogger("gpudiag.agent.otlp")
 

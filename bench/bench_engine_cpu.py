@@ -66,8 +66,8 @@ def main() -> int:
 
     import torch
 
-    from gpudiag.reference_engine.llm_engine import LLMEngine, LLMEngineConfig
-    from gpudiag.reference_engine.scheduler import SchedulerConfig
+    from gpudiag.reference_engine.core.scheduler import SchedulerConfig
+    from gpudiag.reference_engine.model.llm_engine import LLMEngine, LLMEngineConfig
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -28,9 +28,10 @@ import tempfile
 import time
 import urllib.request
 
-from gpudiag.agent.prom_exporter import LatestFrames, encode_text, registry_for, serve
+from gpudiag.agent.prom_exporter import serve
 from gpudiag.agent.store import Store
 from gpudiag.catalog import M
+from gpudiag.exposition import LatestFrames, encode_text, registry_for
 from gpudiag.frames import Frame
 
 GIB, MIB = 1024**3, 1024**2

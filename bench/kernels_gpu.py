@@ -18,7 +18,7 @@ and exits 0. Sections, each guarded so one failure never loses the rest:
 4. cut-over -- host-inclusive time per call (calls issued back to back, as
    an engine without CUDA graphs does) of the Triton kernels vs the torch
    path at small sizes: the figures behind the constants in
-   ``reference_engine/kernels/dispatch.py`` (RMSNORM_TRITON_MIN_ELEMENTS:
+   ``reference_engine/model/kernels/dispatch.py`` (RMSNORM_TRITON_MIN_ELEMENTS:
    the "rmsnorm cut-over" table).
 
 A deadline (default 420 s) skips what is left; results are printed as they
@@ -45,7 +45,7 @@ from pathlib import Path
 
 START_S = time.monotonic()
 
-# Datasheet HBM bandwidth of GPUs not in reference_engine/gpu_specs.py, matched
+# Datasheet HBM bandwidth of GPUs not in reference_engine/sim/gpu_specs.py, matched
 # on the CUDA device name (NVIDIA datasheets: H100 PCIe 2.0 TB/s, H100 NVL
 # 3.9 TB/s, H200 NVL 4.8 TB/s, A100 80GB PCIe 1.935 TB/s, B200 8 TB/s, L40S
 # 864 GB/s, A10 600 GB/s, V100 SXM2 900 GB/s, RTX 4090 1008 GB/s).
@@ -74,7 +74,7 @@ def log(msg: str = "") -> None:
 def import_engine():
     """The engine's modules, from the installed package or, failing that, from this checkout."""
     try:
-        import gpudiag.reference_engine.kernels.paged_attention
+        import gpudiag.reference_engine.model.kernels.paged_attention
     except ImportError:
         root = Path(__file__).resolve().parents[1]
         sys.path.insert(0, str(root))  # the core package gpudiag/ lives at the top of the checkout
@@ -87,8 +87,8 @@ def import_engine():
         sys.modules["gpudiag.reference_engine"] = pkg
         spec.loader.exec_module(pkg)
         gpudiag.reference_engine = pkg
-    from gpudiag.reference_engine import gpu_specs
-    from gpudiag.reference_engine.kernels import paged_attention, prefill_attention, rmsnorm
+    from gpudiag.reference_engine.model.kernels import paged_attention, prefill_attention, rmsnorm
+    from gpudiag.reference_engine.sim import gpu_specs
 
     return paged_attention, prefill_attention, rmsnorm, gpu_specs
 
@@ -315,8 +315,8 @@ def model_check(report: Report, device) -> bool:
     """The tiny model's paged forward through the Triton kernels vs the torch path, on the device."""
     import torch
 
-    from gpudiag.reference_engine.model import allocate_kv_cache, build_model
-    from gpudiag.reference_engine.model_config import ModelConfig
+    from gpudiag.reference_engine.model.model import allocate_kv_cache, build_model
+    from gpudiag.reference_engine.model.model_config import ModelConfig
 
     cfg = ModelConfig.preset("tiny")
     model = build_model(cfg, seed=3, device=device)

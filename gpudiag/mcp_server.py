@@ -164,7 +164,8 @@ def investigation(allowed: AllowedDirs, *, store: str | None = None, prometheus:
 
 def top_view(sim: str | None = None, seed: int = 0) -> dict[str, Any]:
     """The document of ``gpudiag top --once --json`` (``--sim SCENARIO`` when ``sim`` is given)."""
-    from gpudiag.commands.top import TopModel, open_probes
+    from gpudiag.commands.top import TopModel
+    from gpudiag.probes.node import open_probes
 
     model = TopModel(open_probes(sim, seed=seed), sim=sim)
     try:

@@ -19,8 +19,8 @@ from gpudiag.analyzers.registry import run_all
 from gpudiag.catalog import CONTEXT_BUCKETS, M, request_context_bucket
 from gpudiag.findings import Finding, deep_clean
 from gpudiag.frames import Window
-from gpudiag.reference_engine.engine import SimEngine
 from gpudiag.reference_engine.scenarios import Scenario
+from gpudiag.reference_engine.sim.engine import SimEngine
 
 
 @dataclass

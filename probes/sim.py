@@ -23,7 +23,7 @@ from gpudiag.errors import GpudiagError
 from gpudiag.frames import Frame
 from gpudiag.probes.base import Probe
 from gpudiag.reference_engine import scenarios
-from gpudiag.reference_engine.engine import SimEngine, VirtualClock
+from gpudiag.reference_engine.sim.engine import SimEngine, VirtualClock
 
 
 class _Stopped(Exception):

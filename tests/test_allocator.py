@@ -1,4 +1,4 @@
-"""Behaviour of the caching-allocator model (gpudiag.reference_engine.allocator)."""
+"""Behaviour of the caching-allocator model (gpudiag.reference_engine.core.allocator)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpudiag.reference_engine.allocator import (
+from gpudiag.reference_engine.core.allocator import (
     EXPANDABLE_PAGE_SIZE,
     GIB,
     KIB,

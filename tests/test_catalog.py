@@ -7,7 +7,7 @@ import pytest
 from gpudiag import catalog
 from gpudiag.catalog import CATALOG, M
 from gpudiag.reference_engine import scenarios
-from gpudiag.reference_engine.engine import SimEngine
+from gpudiag.reference_engine.sim.engine import SimEngine
 
 LABELS = {"node", "gpu", "uuid", "pid", "process", "engine", "t", "sim_t"}
 REQUEST_ATTRS = {"request_id", "kind", "tier", "arrival_s", "finish_s", "prompt_tokens", "output_tokens",

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from gpudiag.errors import GpudiagError
-from gpudiag.reference_engine.fingerprint import (
+from gpudiag.reference_engine.model.fingerprint import (
     FINGERPRINT_TAG,
     fingerprint_file,
     fingerprint_files,
     fingerprint_tensors,
 )
-from gpudiag.reference_engine.safetensors_io import SafetensorsFile, write_safetensors
+from gpudiag.reference_engine.model.safetensors_io import SafetensorsFile, write_safetensors
 
 
 def _weights() -> dict[str, torch.Tensor]:
@@ -117,7 +117,7 @@ def test_a_large_file_is_hashed_in_little_memory(tmp_path):
     # VmHWM, not ru_maxrss: Linux carries ru_maxrss over exec from the forked
     # pytest process, which holds torch.
     script = ("import sys, json\n"
-              "from gpudiag.reference_engine.fingerprint import fingerprint_file\n"
+              "from gpudiag.reference_engine.model.fingerprint import fingerprint_file\n"
               "fp = fingerprint_file(sys.argv[1])\n"
               "hwm = next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM'))\n"
               "print(json.dumps({'bytes': fp.tensor_bytes, 'torch': 'torch' in sys.modules, 'peak_rss_kib': hwm}))\n")

@@ -42,9 +42,9 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed; the kernels' torch references run without it")
 
-from gpudiag.reference_engine.kernels import paged_attention as pa
-from gpudiag.reference_engine.kernels import prefill_attention as pf
-from gpudiag.reference_engine.kernels import rmsnorm as rn
+from gpudiag.reference_engine.model.kernels import paged_attention as pa
+from gpudiag.reference_engine.model.kernels import prefill_attention as pf
+from gpudiag.reference_engine.model.kernels import rmsnorm as rn
 
 INTERPRETER_RUN = os.environ.get("TRITON_INTERPRET") == "1"
 # Cases marked so run only in the TRITON_INTERPRET=1 subprocess; the outer
@@ -288,8 +288,8 @@ def test_whole_model_through_the_triton_kernels_matches_the_torch_path():
     # backend="triton" runs every kernel (RMSNorm, reshape-and-cache, prefill,
     # decode) inside a real forward of the tiny model: prefill of two prompts
     # (11 tokens over two blocks, 3 tokens), then two decode steps.
-    from gpudiag.reference_engine.model import allocate_kv_cache, build_model
-    from gpudiag.reference_engine.model_config import ModelConfig
+    from gpudiag.reference_engine.model.model import allocate_kv_cache, build_model
+    from gpudiag.reference_engine.model.model_config import ModelConfig
 
     cfg = ModelConfig.preset("tiny")
     model = build_model(cfg, seed=3)

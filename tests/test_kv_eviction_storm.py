@@ -170,7 +170,7 @@ def test_the_document_has_the_documented_schema(storm):
 
 
 def test_the_kv_managers_store_exactly_the_tokens_the_sequences_hold():
-    from gpudiag.reference_engine.engine import SimEngine
+    from gpudiag.reference_engine.sim.engine import SimEngine
 
     for fix in (None, "paged-kv", "chunked-kv"):
         cfg, wl = scenarios.get("kv-eviction-storm").build(fix)
@@ -184,7 +184,7 @@ def test_the_kv_managers_store_exactly_the_tokens_the_sequences_hold():
 def test_a_recomputed_sequence_stores_its_tokens_and_no_more():
     """Across evictions and recompute, stored KV matches the running sequences, and the paged pool never
     hands out more blocks than it has."""
-    from gpudiag.reference_engine.engine import SimEngine
+    from gpudiag.reference_engine.sim.engine import SimEngine
 
     long_phase = scenarios.STORM_LONG_PHASE[0]
     # Contiguous KV evicts in the long phase; so does a paged pool on 40 % of the card (about 9 GiB of KV).

@@ -8,11 +8,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpudiag import catalog
-from gpudiag.agent.prom_exporter import LatestFrames, catalog_samples, encode_text, registry_for
 from gpudiag.catalog import CATALOG, CONTEXT_BUCKETS, M, context_bucket
+from gpudiag.exposition import LatestFrames, catalog_samples, encode_text, registry_for
 from gpudiag.frames import Frame
 from gpudiag.reference_engine import scenarios
-from gpudiag.reference_engine.engine import SimEngine
+from gpudiag.reference_engine.sim.engine import SimEngine
 
 ENGINE = {"node": "node-a", "gpu": 0, "engine": "gpudiag-engine"}
 

@@ -20,10 +20,10 @@ import torch
 from gpudiag.catalog import M
 from gpudiag.errors import GpudiagError
 from gpudiag.probes.torch_reporter import REPORTED_COLUMNS
-from gpudiag.reference_engine.kv_manager import KVConfig
-from gpudiag.reference_engine.llm_engine import LLMEngine, LLMEngineConfig
-from gpudiag.reference_engine.model_runner import PagedTensorKV
-from gpudiag.reference_engine.sequence import Status
+from gpudiag.reference_engine.core.kv_manager import KVConfig
+from gpudiag.reference_engine.core.sequence import Status
+from gpudiag.reference_engine.model.llm_engine import LLMEngine, LLMEngineConfig
+from gpudiag.reference_engine.model.model_runner import PagedTensorKV
 
 LOGIT_ATOL = 1e-5
 TINY_BPT = 512  # KV bytes per token of the tiny preset: 2 * 2 layers * 2 KV heads * 16 * 4 B

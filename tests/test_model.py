@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from gpudiag.errors import GpudiagError
-from gpudiag.reference_engine.fingerprint import fingerprint_file
-from gpudiag.reference_engine.kernels import dispatch
-from gpudiag.reference_engine.model import allocate_kv_cache, build_model
-from gpudiag.reference_engine.model_config import PRESETS, ModelConfig, load_model_config
-from gpudiag.reference_engine.safetensors_io import SafetensorsFile, write_safetensors
-from gpudiag.reference_engine.tokenizer import BOS_ID, EOS_ID, ByteTokenizer
+from gpudiag.reference_engine.model.fingerprint import fingerprint_file
+from gpudiag.reference_engine.model.kernels import dispatch
+from gpudiag.reference_engine.model.model import allocate_kv_cache, build_model
+from gpudiag.reference_engine.model.model_config import PRESETS, ModelConfig, load_model_config
+from gpudiag.reference_engine.model.safetensors_io import SafetensorsFile, write_safetensors
+from gpudiag.reference_engine.model.tokenizer import BOS_ID, EOS_ID, ByteTokenizer
 
 TINY = ModelConfig.preset("tiny")
 LOGIT_ATOL = 1e-5
@@ -163,7 +163,7 @@ def test_paged_forward_in_bfloat16_stays_close_to_dense():
 def test_auto_backend_on_cpu_is_the_torch_path_and_triton_needs_a_gpu_or_the_interpreter():
     x = torch.randn(4, TINY.hidden_size)
     w = torch.randn(TINY.hidden_size)
-    from gpudiag.reference_engine.kernels.rmsnorm import rms_norm_reference
+    from gpudiag.reference_engine.model.kernels.rmsnorm import rms_norm_reference
 
     assert torch.equal(dispatch.rms_norm(x, w, 1e-5), rms_norm_reference(x, w, 1e-5))
     with pytest.raises(GpudiagError, match="unknown kernel backend"):

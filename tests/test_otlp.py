@@ -19,9 +19,9 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 from opentelemetry.proto.metrics.v1.metrics_pb2 import AggregationTemporality
 
 from gpudiag.agent.otlp import OtlpExporter, signal_urls
-from gpudiag.agent.prom_exporter import LatestFrames
 from gpudiag.catalog import CATALOG, M
 from gpudiag.errors import GpudiagError
+from gpudiag.exposition import LatestFrames
 from gpudiag.findings import Evidence, Finding, Severity
 from gpudiag.frames import Frame
 

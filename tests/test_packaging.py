@@ -45,7 +45,7 @@ def test_a_normal_install_puts_everything_under_gpudiag_and_nothing_at_top_level
     assert (target / "gpudiag" / "catalog.py").is_file()
     probe = subprocess.run(
         [sys.executable, "-I", "-c",
-         "import sys; sys.path.insert(0, sys.argv[1]); import gpudiag.reference_engine.scheduler as s; "
+         "import sys; sys.path.insert(0, sys.argv[1]); import gpudiag.reference_engine.core.scheduler as s; "
          "print(s.__file__)", str(target)],
         capture_output=True, text=True, check=True)
     assert probe.stdout.strip().startswith(str(target))

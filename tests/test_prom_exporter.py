@@ -18,18 +18,12 @@ import pytest
 from netstat import listen_overflows
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpudiag import exposition
 from gpudiag.agent import prom_exporter
-from gpudiag.agent.prom_exporter import (
-    LATENCY_BUCKETS_S,
-    BasicAuth,
-    LatestFrames,
-    hash_password,
-    parse_listen,
-    registry_for,
-    serve,
-)
+from gpudiag.agent.prom_exporter import BasicAuth, hash_password, parse_listen, serve
 from gpudiag.catalog import BY_CONTEXT, BY_NAME, CATALOG, HISTOGRAM, INFO, METRICS, M, request_context_bucket
 from gpudiag.errors import GpudiagError
+from gpudiag.exposition import LATENCY_BUCKETS_S, LatestFrames, registry_for
 from gpudiag.findings import Finding, Severity
 from gpudiag.frames import Frame
 
@@ -278,16 +272,16 @@ def test_the_context_bucket_of_many_requests_at_once_is_catalogs_of_each():
     values = [0, 1, 511, 512, 513, 2047, 2048, 2049, 8192, 32768, 32769, -1, 0.5, 511.5, float("nan"),
               float("inf"), float("-inf"), None, True, False, "300", 2**80, -(2**80), 10**400, -(10**400)]
     rows = [{"prompt_tokens": p, "output_tokens": o} for p in values for o in (0, 1, 2**80, None, 12.5, True)]
-    assert prom_exporter._context_buckets(rows, tuple(rows[0])) == [request_context_bucket(r) for r in rows]
+    assert exposition._context_buckets(rows, tuple(rows[0])) == [request_context_bucket(r) for r in rows]
 
 
 def test_request_rows_never_waiting_for_a_reader_are_counted_in_bounded_batches():
     latest = LatestFrames(node="node-a")
     ttft = M.time_to_first_token_seconds
-    n = 3 * prom_exporter.MAX_WAITING_REQUESTS + 17
+    n = 3 * exposition.MAX_WAITING_REQUESTS + 17
     for k in range(0, n, 100):
         latest.update([Frame("request", T + k, [{"gpu": 0, ttft: 0.01}] * min(100, n - k))])
-        assert len(latest._waiting) < prom_exporter.MAX_WAITING_REQUESTS
+        assert len(latest._waiting) < exposition.MAX_WAITING_REQUESTS
     (buckets, total), = latest.snapshot().histograms[ttft].values()
     assert buckets[-1] == ("+Inf", float(n)) and total == pytest.approx(0.01 * n)
 
@@ -592,7 +586,6 @@ def test_a_scraper_that_hangs_up_is_a_debug_line_and_a_handler_failure_one_error
                                                                                       monkeypatch):
     import struct
 
-    from gpudiag.agent import prom_exporter
 
     server = served(latest_with_findings())
     with caplog.at_level(logging.DEBUG, logger="gpudiag.agent.prom_exporter"):
@@ -619,8 +612,8 @@ def _through_families(latest: LatestFrames) -> bytes:
     from prometheus_client import CollectorRegistry
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(prom_exporter.FramesCollector(latest))
-    return prom_exporter.encode_text(registry)
+    registry.register(exposition.FramesCollector(latest))
+    return exposition.encode_text(registry)
 
 
 def test_the_text_written_straight_from_the_samples_is_the_text_of_the_family_objects(monkeypatch):
@@ -649,8 +642,8 @@ def test_the_text_written_straight_from_the_samples_is_the_text_of_the_family_ob
     for i, latest in enumerate(cases):
         want = _through_families(latest)
         with monkeypatch.context() as m:
-            m.setattr(prom_exporter.FramesCollector, "collect", no_families)
-            texts.append(prom_exporter.encode_text(registry_for(latest)))
+            m.setattr(exposition.FramesCollector, "collect", no_families)
+            texts.append(exposition.encode_text(registry_for(latest)))
         assert texts[-1] == want, i
     got = texts[3].decode()
     assert 'gpudiag_cuda_api_latency_seconds_count{node="node-a",pid="4001",process="p",api="cudaMalloc"} 5.0' in got

@@ -11,13 +11,14 @@ from gpudiag.analyzers import degenerate_kernel_launch
 from gpudiag.catalog import CATALOG, M
 from gpudiag.findings import Severity
 from gpudiag.frames import Window
-from gpudiag.reference_engine import scenarios, scenarios_host
-from gpudiag.reference_engine.engine import ENGINE_PID, ENGINE_THREAD, SimEngine
-from gpudiag.reference_engine.gpu_specs import spec as gpu_spec
-from gpudiag.reference_engine.launches import ATTENTION, step_kernels
-from gpudiag.reference_engine.preprocess import PreprocessConfig, Preprocessing
-from gpudiag.reference_engine.sequence import Sequence
-from gpudiag.reference_engine.sim_gpu import MODELS
+from gpudiag.reference_engine import scenarios
+from gpudiag.reference_engine.core.sequence import Sequence
+from gpudiag.reference_engine.scenarios import host as scenarios_host
+from gpudiag.reference_engine.sim.engine import ENGINE_PID, ENGINE_THREAD, SimEngine
+from gpudiag.reference_engine.sim.gpu_specs import spec as gpu_spec
+from gpudiag.reference_engine.sim.launches import ATTENTION, step_kernels
+from gpudiag.reference_engine.sim.preprocess import PreprocessConfig, Preprocessing
+from gpudiag.reference_engine.sim.sim_gpu import MODELS
 
 STEADY = scenarios_host.STARVED_RAMP_S
 UPGRADE = scenarios_host.GRID_UPGRADE_S

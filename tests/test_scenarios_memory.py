@@ -17,8 +17,9 @@ from gpudiag.analyzers import memory_leak, oom_forecast
 from gpudiag.analyzers.registry import run_all
 from gpudiag.catalog import M
 from gpudiag.frames import Window
-from gpudiag.reference_engine import scenarios, scenarios_memory
-from gpudiag.reference_engine.engine import COTENANT_PID, ENGINE_PID
+from gpudiag.reference_engine import scenarios
+from gpudiag.reference_engine.scenarios import memory as scenarios_memory
+from gpudiag.reference_engine.sim.engine import COTENANT_PID, ENGINE_PID
 
 GiB, MiB = 1024**3, 1024**2
 # The agent analyses a trailing 15-minute window (agent/config.py, analyzers.window_s);

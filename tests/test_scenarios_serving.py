@@ -19,8 +19,13 @@ from gpudiag.analyzers.common import counter_increase
 from gpudiag.catalog import M
 from gpudiag.errors import GpudiagError
 from gpudiag.findings import Severity
-from gpudiag.reference_engine import scenarios, scenarios_serving
-from gpudiag.reference_engine.admission import (
+from gpudiag.reference_engine import scenarios
+from gpudiag.reference_engine.core.allocator import CachingAllocator, DeviceMemory
+from gpudiag.reference_engine.core.kv_manager import KVConfig, make_kv_manager
+from gpudiag.reference_engine.core.sequence import Sequence
+from gpudiag.reference_engine.scenarios import serving as scenarios_serving
+from gpudiag.reference_engine.scenarios.workload import LengthDist, Phase, RequestClass, Workload
+from gpudiag.reference_engine.serving.admission import (
     AdmissionConfig,
     AdmissionController,
     BoundedQueue,
@@ -28,10 +33,6 @@ from gpudiag.reference_engine.admission import (
     TokenBucket,
     Verdict,
 )
-from gpudiag.reference_engine.allocator import CachingAllocator, DeviceMemory
-from gpudiag.reference_engine.kv_manager import KVConfig, make_kv_manager
-from gpudiag.reference_engine.sequence import Sequence
-from gpudiag.reference_engine.workload import LengthDist, Phase, RequestClass, Workload
 
 MIB = 1024**2
 

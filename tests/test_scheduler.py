@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from gpudiag.reference_engine.allocator import CachingAllocator, DeviceMemory
-from gpudiag.reference_engine.kv_manager import KVConfig, make_kv_manager
-from gpudiag.reference_engine.scheduler import Scheduler, SchedulerConfig
-from gpudiag.reference_engine.sequence import Sequence, Status
+from gpudiag.reference_engine.core.allocator import CachingAllocator, DeviceMemory
+from gpudiag.reference_engine.core.kv_manager import KVConfig, make_kv_manager
+from gpudiag.reference_engine.core.scheduler import Scheduler, SchedulerConfig
+from gpudiag.reference_engine.core.sequence import Sequence, Status
 
 MIB = 1024**2
 BYTES_PER_TOKEN = 128 * 1024
@@ -55,7 +55,7 @@ def test_a_short_arrival_ends_a_decode_run_even_while_a_request_that_cannot_fit_
     # not to fit at the head of the queue must not make the engine ignore arrivals until the
     # next second: the short one behind it is admitted at its arrival, not up to a second later.
     from gpudiag.reference_engine import scenarios
-    from gpudiag.reference_engine.engine import SimEngine
+    from gpudiag.reference_engine.sim.engine import SimEngine
 
     cfg, wl = scenarios.get("kv-eviction-storm").build(None)
     engine = SimEngine(cfg, wl, seed=0)

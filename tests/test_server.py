@@ -31,8 +31,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpudiag.catalog import CATALOG, VLLM_PREFIX, M
 from gpudiag.probes.engine_scrape import EngineScrapeProbe
 from gpudiag.probes.torch_probe import TorchProbe
-from gpudiag.reference_engine.model import build_model
-from gpudiag.reference_engine.model_config import PRESETS
+from gpudiag.reference_engine.model.model import build_model
+from gpudiag.reference_engine.model.model_config import PRESETS
 
 HTTP_TIMEOUT_S = 60.0
 START_TIMEOUT_S = 120.0

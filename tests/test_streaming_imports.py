@@ -20,7 +20,7 @@ import json, sys
 from gpudiag.agent.daemon import SlidingWindow
 from gpudiag.analyzers.registry import run_all
 from gpudiag.reference_engine import scenarios
-from gpudiag.reference_engine.engine import SimEngine
+from gpudiag.reference_engine.sim.engine import SimEngine
 
 out = {}
 for name, sc in scenarios.SCENARIOS.items():

@@ -20,7 +20,7 @@ from gpudiag.catalog import M
 from gpudiag.findings import Finding, Severity
 from gpudiag.frames import Frame
 from gpudiag.reference_engine import scenarios
-from gpudiag.reference_engine.engine import SimEngine
+from gpudiag.reference_engine.sim.engine import SimEngine
 
 ANALYZE_EVERY_S = 300
 

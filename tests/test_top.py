@@ -190,7 +190,8 @@ def test_the_gpu_table_shows_clocks_power_throttling_and_a_lost_gpu(monkeypatch,
     from fake_nvml import FakeNvml, FakeProcess
     from rich.console import Console
 
-    from gpudiag.commands.top import TopModel, open_probes, render
+    from gpudiag.commands.top import TopModel, render
+    from gpudiag.probes.node import open_probes
 
     fake = FakeNvml.node(3, 0)
     fake.gpus[0].throttle_bits = 0x4  # sw_power_cap
@@ -375,7 +376,8 @@ def test_top_names_the_findings_open_in_the_agents_store_and_not_the_resolved_on
 @pytest.fixture
 def running_agent():
     """The agent's real exporter serving one open finding and one GPU's figures."""
-    from gpudiag.agent.prom_exporter import LatestFrames, registry_for, serve
+    from gpudiag.agent.prom_exporter import serve
+    from gpudiag.exposition import LatestFrames, registry_for
 
     latest = LatestFrames(node="node-a")
     latest.set_findings([{"id": "kv_eviction_storm-gpu0-100", "kind": "kv_eviction_storm", "severity": "warning",
@@ -447,7 +449,7 @@ def storm_frames():
     stamped as top stamps its samples."""
     from gpudiag.frames import Frame
     from gpudiag.reference_engine import scenarios
-    from gpudiag.reference_engine.engine import SimEngine
+    from gpudiag.reference_engine.sim.engine import SimEngine
 
     cfg, workload = scenarios.get("kv-eviction-storm").build(None)
     frames = []

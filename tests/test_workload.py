@@ -6,8 +6,8 @@ import pytest
 
 from gpudiag.errors import GpudiagError
 from gpudiag.reference_engine import scenarios
-from gpudiag.reference_engine.engine import SimEngine
-from gpudiag.reference_engine.workload import Workload, load_trace
+from gpudiag.reference_engine.scenarios.workload import Workload, load_trace
+from gpudiag.reference_engine.sim.engine import SimEngine
 
 
 def test_the_same_seed_draws_the_same_requests():

@@ -30,7 +30,7 @@ def _setup_logging(verbose: bool) -> None:
 
 def serve(cfg, verbose: bool = False) -> int:
     """Run the engine server until SIGTERM/SIGINT; returns the exit code."""
-    from gpudiag.reference_engine.server import EngineServer
+    from gpudiag.reference_engine.serving.server import EngineServer
 
     _setup_logging(verbose)
     try:
@@ -88,12 +88,12 @@ def register(app: typer.Typer) -> None:
         verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
     ):
         """Serve the reference engine: POST /generate, GET /metrics (vLLM dialect), GET /health."""
-        from gpudiag.reference_engine.admission import AdmissionConfig
-        from gpudiag.reference_engine.kv_manager import KVConfig
-        from gpudiag.reference_engine.llm_engine import LLMEngineConfig
-        from gpudiag.reference_engine.model_config import load_model_config
-        from gpudiag.reference_engine.scheduler import SchedulerConfig
-        from gpudiag.reference_engine.server import ServerConfig
+        from gpudiag.reference_engine.core.kv_manager import KVConfig
+        from gpudiag.reference_engine.core.scheduler import SchedulerConfig
+        from gpudiag.reference_engine.model.llm_engine import LLMEngineConfig
+        from gpudiag.reference_engine.model.model_config import load_model_config
+        from gpudiag.reference_engine.serving.admission import AdmissionConfig
+        from gpudiag.reference_engine.serving.server import ServerConfig
 
         if kv_capacity_mb is not None and not (0 < kv_capacity_mb < math.inf):
             raise GpudiagError(f"--kv-capacity-mb must be a positive number, got {kv_capacity_mb:g}")

@@ -28,7 +28,7 @@ def register(app: typer.Typer) -> None:
         digest, and if they are shards of one model (no tensor name repeats)
         so does the whole: equal to the digest of the unsharded file.
         """
-        from gpudiag.reference_engine.fingerprint import fingerprint_file, fingerprint_files
+        from gpudiag.reference_engine.model.fingerprint import fingerprint_file, fingerprint_files
 
         per_file = [fingerprint_file(f) for f in files]
         combined = None

@@ -21,8 +21,8 @@ import time
 from urllib.parse import urlparse
 
 from gpudiag.errors import GpudiagError
-from gpudiag.reference_engine.llm_engine import EngineObserver, GenerationSequence
-from gpudiag.reference_engine.sequence import TIERS
+from gpudiag.reference_engine.core.sequence import TIERS
+from gpudiag.reference_engine.model.llm_engine import EngineObserver, GenerationSequence
 
 SERVICE_NAME = "gpudiag-engine"
 # One event per decode step: a 4k-token generation must keep all of its steps

@@ -37,11 +37,11 @@ import numpy as np
 
 from gpudiag.catalog import M
 from gpudiag.errors import GpudiagError
-from gpudiag.reference_engine.admission import AdmissionConfig, AdmissionController, ServingState, Verdict
-from gpudiag.reference_engine.sequence import Sequence, Status
+from gpudiag.reference_engine.core.sequence import Sequence, Status
+from gpudiag.reference_engine.serving.admission import AdmissionConfig, AdmissionController, ServingState, Verdict
 
 if TYPE_CHECKING:
-    from gpudiag.reference_engine.engine import SimEngine
+    from gpudiag.reference_engine.sim.engine import SimEngine
 
 # How far into the queue the probe looks for the oldest request: preempted
 # sequences go back to the head, so the oldest is always among the first few.

@@ -30,8 +30,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from gpudiag.errors import GpudiagError
-from gpudiag.reference_engine.kv_manager import KVManager
-from gpudiag.reference_engine.sequence import Sequence, Status
+from gpudiag.reference_engine.core.kv_manager import KVManager
+from gpudiag.reference_engine.core.sequence import Sequence, Status
 
 POLICIES = ("lru", "priority")
 # How far into the waiting queue admission looks: far enough for every realistic queue of

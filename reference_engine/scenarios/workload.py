@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from gpudiag.errors import GpudiagError
-from gpudiag.reference_engine.sequence import TIERS, Sequence
+from gpudiag.reference_engine.core.sequence import TIERS, Sequence
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 from gpudiag.catalog import M
 from gpudiag.errors import GpudiagError
-from gpudiag.reference_engine.gpu_specs import GPUSpec
-from gpudiag.reference_engine.sim_gpu import CostModel, ModelShape
+from gpudiag.reference_engine.sim.gpu_specs import GPUSpec
+from gpudiag.reference_engine.sim.sim_gpu import CostModel, ModelShape
 
 ATTENTION = "flash_attn_fwd"
 GEMM = "ampere_bf16_s16816gemm"

@@ -5,13 +5,13 @@ Registered into ``scenarios.SCENARIOS``; parameters live here and nowhere else.
 
 from __future__ import annotations
 
-from gpudiag.reference_engine.engine import EngineConfig
-from gpudiag.reference_engine.kv_manager import KVConfig
-from gpudiag.reference_engine.leaks import ALLOCATED, DRIVER, POOL, LeakFault
+from gpudiag.reference_engine.core.kv_manager import KVConfig
+from gpudiag.reference_engine.core.leaks import ALLOCATED, DRIVER, POOL, LeakFault
+from gpudiag.reference_engine.core.scheduler import SchedulerConfig
 from gpudiag.reference_engine.scenarios import STORM_FIXES, Fix, Scenario
-from gpudiag.reference_engine.scheduler import SchedulerConfig
-from gpudiag.reference_engine.sim_gpu import DeviceLayout
-from gpudiag.reference_engine.workload import LengthDist, Phase, RequestClass, Workload
+from gpudiag.reference_engine.scenarios.workload import LengthDist, Phase, RequestClass, Workload
+from gpudiag.reference_engine.sim.engine import EngineConfig
+from gpudiag.reference_engine.sim.sim_gpu import DeviceLayout
 
 KIB, MIB, GIB = 1024, 1024**2, 1024**3
 

@@ -5,14 +5,14 @@ Registered into ``scenarios.SCENARIOS``; parameters live here and nowhere else.
 
 from __future__ import annotations
 
-from gpudiag.reference_engine.engine import EngineConfig
-from gpudiag.reference_engine.gpu_specs import spec as gpu_spec
-from gpudiag.reference_engine.kv_manager import KVConfig
-from gpudiag.reference_engine.launches import ATTENTION, GridFault, step_kernels
-from gpudiag.reference_engine.preprocess import PreprocessConfig
+from gpudiag.reference_engine.core.kv_manager import KVConfig
 from gpudiag.reference_engine.scenarios import Fix, Scenario
-from gpudiag.reference_engine.sim_gpu import MODELS, CostModel, DeviceLayout
-from gpudiag.reference_engine.workload import LengthDist, Phase, RequestClass, Workload
+from gpudiag.reference_engine.scenarios.workload import LengthDist, Phase, RequestClass, Workload
+from gpudiag.reference_engine.sim.engine import EngineConfig
+from gpudiag.reference_engine.sim.gpu_specs import spec as gpu_spec
+from gpudiag.reference_engine.sim.launches import ATTENTION, GridFault, step_kernels
+from gpudiag.reference_engine.sim.preprocess import PreprocessConfig
+from gpudiag.reference_engine.sim.sim_gpu import MODELS, CostModel, DeviceLayout
 
 GIB = 1024**3
 

@@ -1,6 +1,6 @@
 """The shape of a Llama-style decoder: one dataclass, a few named presets.
 
-The same config drives the real model (:mod:`gpudiag.reference_engine.model`)
+The same config drives the real model (:mod:`gpudiag.reference_engine.model.model`)
 and the simulated GPU's cost model (through :meth:`ModelConfig.weight_bytes`
 and :meth:`ModelConfig.kv_bytes_per_token`), so a scenario sized for
 ``llama-7b`` on the simulator moves the bytes the real model would.

@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from gpudiag.errors import GpudiagError
-from gpudiag.reference_engine.allocator import AllocatorStats, CachingAllocator, OutOfMemory
-from gpudiag.reference_engine.sim_gpu import SimGPU
+from gpudiag.reference_engine.core.allocator import AllocatorStats, CachingAllocator, OutOfMemory
+from gpudiag.reference_engine.sim.sim_gpu import SimGPU
 
 ALLOCATED, POOL, DRIVER = "allocated", "pool", "driver"
 LAYERS = (ALLOCATED, POOL, DRIVER)

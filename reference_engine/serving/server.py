@@ -34,13 +34,13 @@ import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from gpudiag.agent.prom_exporter import LatestFrames, encode_text, log_request_failure, registry_for
 from gpudiag.catalog import M
 from gpudiag.errors import GpudiagError
+from gpudiag.exposition import LatestFrames, encode_text, log_request_failure, registry_for
 from gpudiag.frames import Frame
-from gpudiag.reference_engine.admission import AdmissionConfig, AdmissionController, ServingState, Verdict
-from gpudiag.reference_engine.llm_engine import ENGINE_NAME, LLMEngine, LLMEngineConfig
-from gpudiag.reference_engine.sequence import TIERS, Status
+from gpudiag.reference_engine.core.sequence import TIERS, Status
+from gpudiag.reference_engine.model.llm_engine import ENGINE_NAME, LLMEngine, LLMEngineConfig
+from gpudiag.reference_engine.serving.admission import AdmissionConfig, AdmissionController, ServingState, Verdict
 
 log = logging.getLogger("gpudiag.engine")
 
@@ -91,7 +91,7 @@ class ServerConfig:
         self.engine.validate()
         self.admission.validate()
         if self.otlp_endpoint:
-            from gpudiag.reference_engine.tracing import traces_url
+            from gpudiag.reference_engine.serving.tracing import traces_url
 
             traces_url(self.otlp_endpoint)
 
@@ -146,7 +146,7 @@ class _Pending:
 
 def result_of(seq) -> dict:
     """The /generate answer for a finished sequence."""
-    from gpudiag.reference_engine.tokenizer import ByteTokenizer
+    from gpudiag.reference_engine.model.tokenizer import ByteTokenizer
 
     timings = seq.latencies() if seq.first_token_s is not None else {}
     return {"id": seq.seq_id, "text": ByteTokenizer().decode(seq.output_ids), "tokens": seq.output_ids,
@@ -217,7 +217,7 @@ class EngineServer:
         self.model_info = {"model": engine.model_config.name, "fingerprint": engine.fingerprint(),
                            M.engine_model_info: 1}
         if self.cfg.otlp_endpoint:
-            from gpudiag.reference_engine.tracing import RequestTracer
+            from gpudiag.reference_engine.serving.tracing import RequestTracer
 
             self.tracer = RequestTracer(self.cfg.otlp_endpoint, clock=self.clock,
                                         resource_attributes={"host.name": self.cfg.node})
@@ -552,7 +552,7 @@ def _handler_class(server: EngineServer):
             self.send_header("Content-Type", "application/x-ndjson")
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
-            from gpudiag.reference_engine.tokenizer import StreamDecoder
+            from gpudiag.reference_engine.model.tokenizer import StreamDecoder
 
             decoder = StreamDecoder()
             while True:

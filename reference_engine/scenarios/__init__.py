@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from gpudiag.errors import GpudiagError
-from gpudiag.reference_engine.engine import EngineConfig
-from gpudiag.reference_engine.kv_manager import KVConfig
-from gpudiag.reference_engine.scheduler import SchedulerConfig
-from gpudiag.reference_engine.sim_gpu import DeviceLayout
-from gpudiag.reference_engine.workload import LengthDist, Phase, RequestClass, Workload
+from gpudiag.reference_engine.core.kv_manager import KVConfig
+from gpudiag.reference_engine.core.scheduler import SchedulerConfig
+from gpudiag.reference_engine.scenarios.workload import LengthDist, Phase, RequestClass, Workload
+from gpudiag.reference_engine.sim.engine import EngineConfig
+from gpudiag.reference_engine.sim.sim_gpu import DeviceLayout
 
 MIB = 1024**2
 
@@ -148,7 +148,9 @@ SCENARIOS: dict[str, Scenario] = {
 
 def _register_families() -> None:
     # Each family of incidents keeps its parameters in its own module; all of them register here.
-    from gpudiag.reference_engine import scenarios_host, scenarios_memory, scenarios_serving
+    from gpudiag.reference_engine.scenarios import host as scenarios_host
+    from gpudiag.reference_engine.scenarios import memory as scenarios_memory
+    from gpudiag.reference_engine.scenarios import serving as scenarios_serving
 
     for family in (scenarios_memory, scenarios_serving, scenarios_host):
         SCENARIOS.update(family.SCENARIOS)

@@ -5,13 +5,13 @@ Registered into ``scenarios.SCENARIOS``; parameters live here and nowhere else.
 
 from __future__ import annotations
 
-from gpudiag.reference_engine.admission import AdmissionConfig
-from gpudiag.reference_engine.engine import EngineConfig
-from gpudiag.reference_engine.frontend import FrontendConfig, LivenessProbe
-from gpudiag.reference_engine.kv_manager import KVConfig
+from gpudiag.reference_engine.core.kv_manager import KVConfig
+from gpudiag.reference_engine.core.scheduler import SchedulerConfig
 from gpudiag.reference_engine.scenarios import Fix, Scenario
-from gpudiag.reference_engine.scheduler import SchedulerConfig
-from gpudiag.reference_engine.workload import LengthDist, Phase, RequestClass, Workload
+from gpudiag.reference_engine.scenarios.workload import LengthDist, Phase, RequestClass, Workload
+from gpudiag.reference_engine.serving.admission import AdmissionConfig
+from gpudiag.reference_engine.serving.frontend import FrontendConfig, LivenessProbe
+from gpudiag.reference_engine.sim.engine import EngineConfig
 
 # --- queue-avalanche (SCENARIOS.md §5) --------------------------------------------------
 # A Mistral-7B replica on an A100-80GB serving chat turns, at most 64 sequences in a batch:

@@ -32,15 +32,15 @@ from dataclasses import dataclass, field
 from gpudiag.catalog import M
 from gpudiag.errors import GpudiagError
 from gpudiag.frames import Frame
-from gpudiag.reference_engine.allocator import get_allocation_size, round_size
-from gpudiag.reference_engine.engine import engine_metrics
-from gpudiag.reference_engine.gpu_specs import spec as gpu_spec
-from gpudiag.reference_engine.kv_manager import KVConfig, make_kv_manager
-from gpudiag.reference_engine.model_config import ModelConfig, load_model_config
-from gpudiag.reference_engine.scheduler import Scheduler, SchedulerConfig, StepStats
-from gpudiag.reference_engine.sequence import TIERS, Sequence, Status
-from gpudiag.reference_engine.sim_gpu import CostModel, DeviceLayout, SimGPU, shape_of
-from gpudiag.reference_engine.tokenizer import BOS_ID, EOS_ID, ByteTokenizer
+from gpudiag.reference_engine.core.allocator import get_allocation_size, round_size
+from gpudiag.reference_engine.core.kv_manager import KVConfig, make_kv_manager
+from gpudiag.reference_engine.core.scheduler import Scheduler, SchedulerConfig, StepStats
+from gpudiag.reference_engine.core.sequence import TIERS, Sequence, Status
+from gpudiag.reference_engine.model.model_config import ModelConfig, load_model_config
+from gpudiag.reference_engine.model.tokenizer import BOS_ID, EOS_ID, ByteTokenizer
+from gpudiag.reference_engine.sim.engine import engine_metrics
+from gpudiag.reference_engine.sim.gpu_specs import spec as gpu_spec
+from gpudiag.reference_engine.sim.sim_gpu import CostModel, DeviceLayout, SimGPU, shape_of
 
 MIB = 1024**2
 DEVICES = ("cpu", "cuda", "sim")
@@ -167,7 +167,7 @@ class LLMEngine:
                         chunk_bytes=initial_tokens * bpt, max_model_len=self.model_config.max_position)
 
     def _build_simulated(self, on_logits) -> None:
-        from gpudiag.reference_engine.model_runner import (
+        from gpudiag.reference_engine.model.model_runner import (
             HostBackedAllocator,
             ModelRunner,
             SimRunner,
@@ -204,7 +204,7 @@ class LLMEngine:
         if cfg.device == "cpu":
             import torch
 
-            from gpudiag.reference_engine.model import build_model
+            from gpudiag.reference_engine.model.model import build_model
 
             if cfg.cpu_threads:
                 torch.set_num_threads(cfg.cpu_threads)
@@ -222,8 +222,8 @@ class LLMEngine:
     def _build_cuda(self, on_logits) -> None:
         import torch
 
-        from gpudiag.reference_engine.model import build_model
-        from gpudiag.reference_engine.model_runner import ModelRunner, TorchCudaAllocator, make_tensor_kv_manager
+        from gpudiag.reference_engine.model.model import build_model
+        from gpudiag.reference_engine.model.model_runner import ModelRunner, TorchCudaAllocator, make_tensor_kv_manager
 
         if not torch.cuda.is_available():
             raise GpudiagError(f"device cuda: torch {torch.__version__} sees no CUDA device; "

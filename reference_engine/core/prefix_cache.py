@@ -45,8 +45,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from gpudiag.catalog import M
-from gpudiag.reference_engine.kv_manager import PagedKV
-from gpudiag.reference_engine.sequence import Sequence
+from gpudiag.reference_engine.core.kv_manager import PagedKV
+from gpudiag.reference_engine.core.sequence import Sequence
 
 # Remember this many evicted hashes per pool block: enough to recognise a prefix that
 # comes back after the cache turned over a few times, bounded so a long run stays small.

@@ -36,12 +36,12 @@ from collections.abc import Callable
 import torch
 
 from gpudiag.errors import GpudiagError
-from gpudiag.reference_engine.allocator import AllocatorStats, CachingAllocator, OutOfMemory
-from gpudiag.reference_engine.kv_manager import ContiguousKV, KVConfig, KVManager, PagedKV, ReserveMaxKV
-from gpudiag.reference_engine.model import PagedKVCache
-from gpudiag.reference_engine.model_config import ModelConfig
-from gpudiag.reference_engine.prefix_cache import PrefixCachingKV, _stream, block_keys
-from gpudiag.reference_engine.sim_gpu import CostModel, SimGPU
+from gpudiag.reference_engine.core.allocator import AllocatorStats, CachingAllocator, OutOfMemory
+from gpudiag.reference_engine.core.kv_manager import ContiguousKV, KVConfig, KVManager, PagedKV, ReserveMaxKV
+from gpudiag.reference_engine.core.prefix_cache import PrefixCachingKV, _stream, block_keys
+from gpudiag.reference_engine.model.model import PagedKVCache
+from gpudiag.reference_engine.model.model_config import ModelConfig
+from gpudiag.reference_engine.sim.sim_gpu import CostModel, SimGPU
 
 LogitsHook = Callable[[str, list, torch.Tensor], None]
 

@@ -361,7 +361,7 @@ class LlamaForCausalLM(nn.Module):
         embedding, as checkpoints with ``tie_word_embeddings`` do. Unknown
         tensors are an error: they usually mean a different architecture.
         """
-        from gpudiag.reference_engine.safetensors_io import SafetensorsFile
+        from gpudiag.reference_engine.model.safetensors_io import SafetensorsFile
 
         files = _checkpoint_files(paths)
         params = dict(self.named_parameters())
@@ -391,19 +391,19 @@ class LlamaForCausalLM(nn.Module):
 
     def save_safetensors(self, path: str | os.PathLike) -> None:
         """Write the weights with Llama names (what :meth:`load_safetensors` reads)."""
-        from gpudiag.reference_engine.safetensors_io import write_safetensors
+        from gpudiag.reference_engine.model.safetensors_io import write_safetensors
 
         write_safetensors(path, self.state_dict(), metadata={"format": "pt", "gpudiag_model": self.config.name})
 
     def fingerprint(self):
-        """The model's :class:`~gpudiag.reference_engine.fingerprint.Fingerprint` (computed once).
+        """The model's :class:`~gpudiag.reference_engine.model.fingerprint.Fingerprint` (computed once).
 
         Of the checkpoint files if weights came from files (it identifies the
         file on disk), else of the weights in memory (equal to the digest of
         the file :meth:`save_safetensors` would write).
         """
         if self._fingerprint is None:
-            from gpudiag.reference_engine.fingerprint import fingerprint_files, fingerprint_model
+            from gpudiag.reference_engine.model.fingerprint import fingerprint_files, fingerprint_model
 
             self._fingerprint = (fingerprint_files(self.checkpoint_paths) if self.checkpoint_paths
                                  else fingerprint_model(self))

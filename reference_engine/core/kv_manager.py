@@ -22,8 +22,8 @@ import math
 from dataclasses import dataclass
 
 from gpudiag.errors import GpudiagError
-from gpudiag.reference_engine.allocator import CachingAllocator, OutOfMemory
-from gpudiag.reference_engine.sequence import Sequence
+from gpudiag.reference_engine.core.allocator import CachingAllocator, OutOfMemory
+from gpudiag.reference_engine.core.sequence import Sequence
 from gpudiag.units import fmt_bytes
 
 MIB = 1024**2
@@ -347,7 +347,7 @@ def make_kv_manager(cfg: KVConfig, allocator: CachingAllocator, bytes_per_token:
     """Build the manager ``cfg.strategy`` names."""
     cfg.validate()
     if cfg.prefix_caching:
-        from gpudiag.reference_engine.prefix_cache import PrefixCachingKV
+        from gpudiag.reference_engine.core.prefix_cache import PrefixCachingKV
 
         return PrefixCachingKV(allocator, bytes_per_token, capacity_bytes, cfg)
     return STRATEGIES[cfg.strategy](allocator, bytes_per_token, capacity_bytes, cfg)

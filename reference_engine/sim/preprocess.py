@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from gpudiag.errors import GpudiagError
-from gpudiag.reference_engine.sequence import Sequence
+from gpudiag.reference_engine.core.sequence import Sequence
 
 
 @dataclass

@@ -13,9 +13,9 @@ import math
 from dataclasses import dataclass, replace
 
 from gpudiag.errors import GpudiagError
-from gpudiag.reference_engine.allocator import CachingAllocator, DeviceMemory
-from gpudiag.reference_engine.gpu_specs import GIB, GPUSpec
-from gpudiag.reference_engine.model_config import PRESETS, ModelConfig
+from gpudiag.reference_engine.core.allocator import CachingAllocator, DeviceMemory
+from gpudiag.reference_engine.model.model_config import PRESETS, ModelConfig
+from gpudiag.reference_engine.sim.gpu_specs import GIB, GPUSpec
 
 MIB = 1024**2
 

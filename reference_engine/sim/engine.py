@@ -9,7 +9,7 @@ k steps has a closed form, so a two-hour run takes seconds.
 Every simulated second yields frames (gpu, process, engine, node; cuda_api
 kernel-launch rows when ``kernel_launch_rows`` or a grid fault is on) and
 every finished request a request row, named from the metric catalog. Where
-request preprocessing is modelled (reference_engine/preprocess.py), an
+request preprocessing is modelled (reference_engine/sim/preprocess.py), an
 iteration may instead be the engine thread preprocessing a request or taking
 ready ones off the workers' prefetch queue.
 """
@@ -25,17 +25,17 @@ from gpudiag.catalog import M
 from gpudiag.errors import GpudiagError
 from gpudiag.frames import Frame
 from gpudiag.probes.nvml import NVLINK_ERROR_KINDS, THROTTLE_REASON_BITS
-from gpudiag.reference_engine.frontend import Frontend, FrontendConfig
-from gpudiag.reference_engine.gpu_specs import spec as gpu_spec
-from gpudiag.reference_engine.kv_manager import KVConfig, make_kv_manager
-from gpudiag.reference_engine.launches import GridFault, LaunchLog
-from gpudiag.reference_engine.leaks import Leak, LeakFault
-from gpudiag.reference_engine.preprocess import PreprocessConfig, Preprocessing
-from gpudiag.reference_engine.scheduler import Scheduler, SchedulerConfig
-from gpudiag.reference_engine.sequence import TIERS, Sequence, Status
-from gpudiag.reference_engine.sim_gpu import MODELS, CostModel, DeviceLayout, SimGPU
-from gpudiag.reference_engine.token_gaps import TokenGaps
-from gpudiag.reference_engine.workload import Workload
+from gpudiag.reference_engine.core.kv_manager import KVConfig, make_kv_manager
+from gpudiag.reference_engine.core.leaks import Leak, LeakFault
+from gpudiag.reference_engine.core.scheduler import Scheduler, SchedulerConfig
+from gpudiag.reference_engine.core.sequence import TIERS, Sequence, Status
+from gpudiag.reference_engine.scenarios.workload import Workload
+from gpudiag.reference_engine.serving.frontend import Frontend, FrontendConfig
+from gpudiag.reference_engine.sim.gpu_specs import spec as gpu_spec
+from gpudiag.reference_engine.sim.launches import GridFault, LaunchLog
+from gpudiag.reference_engine.sim.preprocess import PreprocessConfig, Preprocessing
+from gpudiag.reference_engine.sim.sim_gpu import MODELS, CostModel, DeviceLayout, SimGPU
+from gpudiag.reference_engine.sim.token_gaps import TokenGaps
 
 MIB = 1024**2
 ENGINE_PID = 4242
