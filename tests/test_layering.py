@@ -52,3 +52,27 @@ def test_reference_engine_is_split_into_rooms():
     for room in ("core", "sim", "model", "serving", "scenarios"):
         assert (ROOT / "reference_engine" / room / "__init__.py").is_file()
     assert (ROOT / "reference_engine" / "core" / "scheduler.py").is_file()  # the scheduler reads in one file
+
+
+def test_every_engine_module_imports_first():
+    """Each module of the engine imports on its own, first: no cycle between rooms hides behind an import order."""
+    import subprocess
+    import sys
+
+    mods = sorted("gpudiag.reference_engine." + ".".join(p.relative_to(ROOT / "reference_engine").with_suffix("").parts)
+                  for p in (ROOT / "reference_engine").rglob("*.py") if p.name != "__init__.py")
+    script = (
+        "import importlib, sys\n"
+        "bad = []\n"
+        f"for m in {mods!r}:\n"
+        "    for k in [k for k in sys.modules if k.startswith('gpudiag.reference_engine')]:\n"
+        "        del sys.modules[k]\n"
+        "    try:\n"
+        "        importlib.import_module(m)\n"
+        "    except ImportError as e:\n"
+        "        bad.append(f'{m}: {e}')\n"
+        "print('\\n'.join(bad))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "", out.stdout

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from gpudiag.catalog import M
 from gpudiag.errors import GpudiagError
@@ -29,13 +29,15 @@ from gpudiag.reference_engine.core.kv_manager import KVConfig, make_kv_manager
 from gpudiag.reference_engine.core.leaks import Leak, LeakFault
 from gpudiag.reference_engine.core.scheduler import Scheduler, SchedulerConfig
 from gpudiag.reference_engine.core.sequence import TIERS, Sequence, Status
-from gpudiag.reference_engine.scenarios.workload import Workload
 from gpudiag.reference_engine.serving.frontend import Frontend, FrontendConfig
 from gpudiag.reference_engine.sim.gpu_specs import spec as gpu_spec
 from gpudiag.reference_engine.sim.launches import GridFault, LaunchLog
 from gpudiag.reference_engine.sim.preprocess import PreprocessConfig, Preprocessing
 from gpudiag.reference_engine.sim.sim_gpu import MODELS, CostModel, DeviceLayout, SimGPU
 from gpudiag.reference_engine.sim.token_gaps import TokenGaps
+
+if TYPE_CHECKING:  # the scenarios room imports this module; the engine only reads a workload
+    from gpudiag.reference_engine.scenarios.workload import Workload
 
 MIB = 1024**2
 ENGINE_PID = 4242
