@@ -79,7 +79,7 @@ class Finding:
         return f"{self.kind}-gpu{gpu}{pid}-{int(self.start_s)}"
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON form documented in the README (the finding schema)."""
+        """The JSON form documented in docs/investigate.md (the finding schema)."""
         d = {
             "id": self.id,
             "kind": self.kind,

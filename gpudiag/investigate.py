@@ -3,7 +3,7 @@
 ``gpudiag investigate`` reads a window from the store (or from Prometheus:
 :mod:`gpudiag.promql_source`), runs every analyzer over it (the registry's,
 the same code the agent streams) and turns window and findings into one document (schema in the
-README, "gpudiag investigate --json"). Everything here is pure except
+docs/investigate.md, "--json"). Everything here is pure except
 :func:`load_store_window` (reads the store) and :func:`write_html` (writes
 the report); the time arguments are parsed by :func:`parse_time` and
 :func:`parse_duration`.
@@ -354,7 +354,7 @@ def coverage(window: Window) -> dict[str, Any]:
 
 
 def document(window: Window, findings: list[Finding], covered: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The investigation document (``--json``; schema in the README). ``covered``: :func:`coverage`
+    """The investigation document (``--json``; schema in docs/investigate.md). ``covered``: :func:`coverage`
     of the window, when already known."""
     worst = worst_severity(findings)
     doc = {

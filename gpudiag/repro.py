@@ -1,7 +1,7 @@
 """``gpudiag repro``: run a scenario on the simulated GPU, diagnose it, and compare a fix.
 
 The run's frames go through the same analyzers as live data. The document
-(see the README for the schema) holds the SLOs overall and per phase, the
+(see docs/repro.md for the schema) holds the SLOs overall and per phase, the
 totals, and the findings; with a fix, the fixed run's document carries the
 unfixed run under ``baseline_run``.
 """
@@ -216,7 +216,7 @@ def phase_stats(res: RunResult) -> list[dict[str, Any]]:
 
 
 def document(res: RunResult) -> dict[str, Any]:
-    """The JSON document of one run (schema in the README)."""
+    """The JSON document of one run (schema in docs/repro.md)."""
     w = res.window
     eng, proc, req = w.table("engine"), w.table("process"), w.table("request")
     last_e = eng.iloc[-1] if not eng.empty else {}
