@@ -38,6 +38,9 @@ CPU time is the process's (``os.times``) and each thread's (``psutil``); wall
 times on a shared machine include time spent waiting for a core, CPU times do
 not. Run it pinned to one core: ``taskset -c 1``.
 
+Before a figure: the store dropped no row, holds every row the probe handed over (of each
+kind), and streaming analyses ran; otherwise exit 3 with the reason.
+
 The default load is the reference engine's under ``--sim``: engine rows every second and a
 row per finished request. A node serving with vLLM gives the agent less: the engine scrape
 runs every 5 s and a Prometheus page has no per-request rows. That load is
@@ -66,6 +69,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_exporter import SyntheticNode  # noqa: E402
+from checks import expect, expect_no_drops, expect_rows, store_rows  # noqa: E402
 
 from gpudiag.agent.config import AgentConfig  # noqa: E402
 from gpudiag.agent.daemon import Agent  # noqa: E402
@@ -85,11 +89,16 @@ class SyntheticNodeProbe(Probe):
     def __init__(self, node: SyntheticNode):
         self.node = node
         self.busy_s = 0.0
+        self.rows: dict[str, int] = {}  # rows handed to the agent, by kind
+        self.ticks = 0
 
     def sample(self, now: float) -> list[Frame]:
         """One second of the node's frames at ``now``."""
         t0 = time.thread_time()
         frames = [Frame(f.kind, now, f.rows) for f in self.node.frames()]
+        self.ticks += 1
+        for f in frames:
+            self.rows[f.kind] = self.rows.get(f.kind, 0) + len(f.rows)
         self.busy_s += time.thread_time() - t0
         return frames
 
@@ -291,6 +300,13 @@ def main(argv: list[str] | None = None) -> int:
         analyses = agent.analyses - analyses0
         stop.set()
         agent.stop()
+        expect_no_drops(agent.store.health())
+        # Every row the probe handed over is in the store; the process rows of the last second
+        # may still have been waiting in the tracker's join when the agent stopped.
+        expect_rows(store_rows(cfg.store_path(), probe.rows),
+                    {k: (n - (n // probe.ticks if k == "process" else 0), n) for k, n in probe.rows.items()},
+                    "the agent's store")
+        expect(analyses > 0, "no streaming analysis ran during the measured run")
         split = analysis_split(agent, node)
 
     gpus = args.gpus
