@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -140,8 +141,17 @@ def test_duckdb_queries_an_export_as_it_is(store_path, tmp_path):
     assert main(["export", "--store", store_path, "--csv", str(tmp_path / "csv"), "--interval", "4s"]) == 0
     want = {}
     for row in expected()["gpu"].values():
-        want.setdefault(row["gpu"], []).append(row[M.gpu_utilization_ratio])
-    # The query docs/export.md shows.
+        want.setdefault(row["gpu"], []).append(row)
+    # The query docs/export.md shows, as it is written there.
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "export.md").read_text()
+    query = doc.split("```sql\n", 1)[1].split("```", 1)[0].replace("'export/", f"'{tmp_path}/pq/")
+    got = duckdb.sql(query).fetchall()
+    assert [r[:2] for r in got] == [(g, len(rows)) for g, rows in sorted(want.items())]
+    for (_, _, mean, peak_gib, last), (_, rows) in zip(got, sorted(want.items())):
+        assert mean == pytest.approx(np.mean([r[M.gpu_utilization_ratio] for r in rows]), rel=1e-12)
+        assert peak_gib == max(r[M.gpu_memory_used_bytes] for r in rows) / 2**30
+        assert last.timestamp() == T0 + TICKS - 1
+    want = {g: [r[M.gpu_utilization_ratio] for r in rows] for g, rows in want.items()}
     for source in (f"read_parquet('{tmp_path}/pq/gpu-*.parquet', union_by_name = true)",
                    f"read_csv('{tmp_path}/csv/gpu-*.csv', union_by_name = true)"):
         got = duckdb.sql(f"SELECT gpu, count(*), avg({M.gpu_utilization_ratio}), max(to_timestamp(t)) "
