@@ -126,6 +126,10 @@ MAX_UNENCODED_ROWS = 20_000
 # While the writer is busy (a write waiting on the disk or another process' lock), frames wait
 # unencoded; past this many rows (minutes of a busy node, tens of MB of dicts) the oldest are
 # dropped and counted, so a writer hung for good cannot take the agent's memory with it.
+# The cap guards against that stuck writer only: rows handed over while the writer is free are
+# encoded into the backlog however many come at once (a caller appending ten minutes of a node
+# in one call, then flushing, loses nothing), and the backlog has its own bound in bytes
+# (max_pending_bytes).
 MAX_WAITING_ROWS = 4 * MAX_UNENCODED_ROWS
 # Retention is checked from flush() at most this often (wall clock).
 RETENTION_CHECK_INTERVAL_S = 60.0
@@ -2683,6 +2687,17 @@ class Store:
                     self._unencoded.append(c)
                     self._unencoded_rows += c.n
             over = self._unencoded_rows > MAX_UNENCODED_ROWS
+        if not over:
+            return
+        # Rows beyond MAX_UNENCODED_ROWS are encoded here (compact in the backlog) unless the
+        # writer is busy: then the flush that holds it takes them when it is done.
+        if self._mutex.acquire(blocking=False):
+            try:
+                self._encode_unencoded()
+            finally:
+                self._mutex.release()
+            return
+        with self._buffer:
             if self._unencoded_rows > MAX_WAITING_ROWS:
                 # The writer has been stuck for minutes (a hung disk): keep the newest rows.
                 cut, rows = 0, self._unencoded_rows
@@ -2692,13 +2707,6 @@ class Store:
                 del self._unencoded[:cut]
                 self._dropped_rows += self._unencoded_rows - rows
                 self._unencoded_rows = rows
-        # Rows beyond MAX_UNENCODED_ROWS are encoded here (compact in the backlog) unless the
-        # writer is busy: then the flush that holds it takes them when it is done.
-        if over and self._mutex.acquire(blocking=False):
-            try:
-                self._encode_unencoded()
-            finally:
-                self._mutex.release()
 
     def upsert_finding(self, finding) -> None:
         """Record a finding (a Finding or a dict in its JSON form), replacing one with the same id.

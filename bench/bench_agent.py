@@ -38,6 +38,10 @@ CPU time is the process's (``os.times``) and each thread's (``psutil``); wall
 times on a shared machine include time spent waiting for a core, CPU times do
 not. Run it pinned to one core: ``taskset -c 1``.
 
+Before a figure: the store dropped no row, holds every row the probe handed over (of each
+kind; the tracker-joined process rows within a few ticks), and streaming analyses ran;
+otherwise exit 3 with the reason.
+
 The default load is the reference engine's under ``--sim``: engine rows every second and a
 row per finished request. A node serving with vLLM gives the agent less: the engine scrape
 runs every 5 s and a Prometheus page has no per-request rows. That load is
@@ -66,6 +70,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_exporter import SyntheticNode  # noqa: E402
+from checks import expect, expect_no_drops, expect_rows, store_rows  # noqa: E402
 
 from gpudiag.agent.config import AgentConfig  # noqa: E402
 from gpudiag.agent.daemon import Agent  # noqa: E402
@@ -73,6 +78,8 @@ from gpudiag.frames import Frame  # noqa: E402
 from gpudiag.probes.base import Probe  # noqa: E402
 
 SCRAPE_INTERVAL_S = 15.0
+STOP_MARGIN_S = 5.0  # the rows of the last seconds before the stop are not checked (see main)
+TRACKER_SLACK_TICKS = 3  # joined process rows may be this many ticks more or fewer than handed (see main)
 SAMPLE_EVERY_S = 5.0
 HARNESS_THREADS = ("MainThread", "bench-scraper")
 
@@ -85,12 +92,17 @@ class SyntheticNodeProbe(Probe):
     def __init__(self, node: SyntheticNode):
         self.node = node
         self.busy_s = 0.0
+        self.ticks: list[tuple[float, dict[str, int]]] = []  # (time, rows by kind) handed to the agent
 
     def sample(self, now: float) -> list[Frame]:
         """One second of the node's frames at ``now``."""
         t0 = time.thread_time()
         frames = [Frame(f.kind, now, f.rows) for f in self.node.frames()]
         self.busy_s += time.thread_time() - t0
+        rows: dict[str, int] = {}  # counted outside the probe's own time
+        for f in frames:
+            rows[f.kind] = rows.get(f.kind, 0) + len(f.rows)
+        self.ticks.append((now, rows))
         return frames
 
 
@@ -291,6 +303,21 @@ def main(argv: list[str] | None = None) -> int:
         analyses = agent.analyses - analyses0
         stop.set()
         agent.stop()
+        expect_no_drops(agent.store.health())
+        # Every row the probe handed over is in the store, up to a few seconds before the stop. Process
+        # rows go through the tracker, which joins each probe's newest rows once a second on its own
+        # beat and stamps them with the join's time: a tick more or less of them within the margin.
+        expect(len(probe.ticks) > STOP_MARGIN_S, f"the probe ran {len(probe.ticks)} ticks")
+        cutoff = probe.ticks[-1][0] - STOP_MARGIN_S
+        handed: dict[str, int] = {}
+        for t, rows in probe.ticks:
+            for kind, n in rows.items():
+                handed[kind] = handed.get(kind, 0) + (n if t <= cutoff else 0)
+        per_tick = probe.ticks[-1][1].get("process", 0)
+        want = {k: (n - TRACKER_SLACK_TICKS * per_tick, n + TRACKER_SLACK_TICKS * per_tick) if k == "process" else n
+                for k, n in handed.items()}
+        expect_rows(store_rows(cfg.store_path(), handed, end_s=cutoff), want, "the agent's store")
+        expect(analyses > 0, "no streaming analysis ran during the measured run")
         split = analysis_split(agent, node)
 
     gpus = args.gpus

@@ -7,7 +7,8 @@ decode over the whole batch. Prefill tokens/s = prompt tokens / prefill
 time; decode tokens/s = batch x steps / decode time. Printed: the median of
 ``--runs`` runs (after one warm-up run), and the spread; beside the wall-clock
 rates, tokens per CPU second of this process, which a machine shared with
-other work does not move as much.
+other work does not move as much. Before a figure: the prefill took the whole batch in
+one step and every sequence decoded every step; otherwise exit 3 with the reason.
 
 One torch thread by default: on a small shared VM, torch's intra-op threads
 wait on each other at every operator (measured here: an [8, 512] x [512,
@@ -22,9 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checks import expect  # noqa: E402
 
 
 def one_run(engine, batch: int, prompt_len: int, decode_steps: int, seed: int) -> dict:
@@ -37,13 +42,15 @@ def one_run(engine, batch: int, prompt_len: int, decode_steps: int, seed: int) -
     t0, c0 = time.perf_counter(), time.process_time()
     done = engine.step()
     t1, c1 = time.perf_counter(), time.process_time()
-    assert len(done) == batch and all(s.generated == 1 for s in seqs), "the prefill did not take the whole batch"
+    expect(len(done) == batch and all(s.generated == 1 for s in seqs),
+           f"the prefill took {len(done)} of {batch} prompts ({[s.generated for s in seqs]} tokens generated)")
     steps = 0
     while engine.has_unfinished:
         engine.step()
         steps += 1
     t2, c2 = time.perf_counter(), time.process_time()
-    assert steps == decode_steps and all(s.generated == decode_steps + 1 for s in seqs)
+    expect(steps == decode_steps and all(s.generated == decode_steps + 1 for s in seqs),
+           f"the decode took {steps} steps for {decode_steps} ({[s.generated for s in seqs]} tokens generated)")
     return {"prefill_s": t1 - t0, "decode_s": t2 - t1,
             "prefill_tokens_per_s": batch * prompt_len / (t1 - t0),
             "decode_tokens_per_s": batch * decode_steps / (t2 - t1),

@@ -14,6 +14,9 @@ Prints (medians of several runs):
     (goal <= 25 MB per GPU-day), extrapolated from a simulated stretch;
   * the cost of one flush and of reading a 15-minute window into pandas.
 
+Before a figure: every GPU and process is in the scraped page, and the stores drop no row
+and read back every row of each kind written; otherwise exit 3 with the reason.
+
     .venv/bin/python bench/bench_exporter.py [--hours 2] [--runs 20] [--torch-processes 1]
 """
 
@@ -30,9 +33,12 @@ import urllib.request
 
 from gpudiag.agent.prom_exporter import serve
 from gpudiag.agent.store import Store
-from gpudiag.catalog import M
+from gpudiag.catalog import CATALOG, M
 from gpudiag.exposition import LatestFrames, encode_text, registry_for
 from gpudiag.frames import Frame
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checks import expect, expect_no_drops, expect_store_rows  # noqa: E402
 
 GIB, MIB = 1024**3, 1024**2
 
@@ -250,6 +256,11 @@ def bench_scrape(node: SyntheticNode, runs: int) -> dict:
             samples = sum(1 for line in body.splitlines() if line and not line.startswith(b"#"))
     finally:
         server.close()
+    n_procs = sum(len(g["procs"]) for g in node.gpus)
+    for column, want in ((M.gpu_utilization_ratio, len(node.gpus)), (M.process_gpu_memory_bytes, n_procs)):
+        name = CATALOG[column].name.encode()
+        got = sum(1 for line in body.splitlines() if line.startswith(name + b"{"))
+        expect(got >= want, f"the scraped page holds {got} {name.decode()} series, the node {want}")
     encode = []
     for _ in range(runs):
         t0 = time.perf_counter()
@@ -268,6 +279,7 @@ def bench_store(node: SyntheticNode, hours: float) -> dict:
         paths = {"samples": os.path.join(tmp, "samples.db"), "requests": os.path.join(tmp, "requests.db")}
         stores = {k: Store.open(p) for k, p in paths.items()}
         requests = 0
+        written = {k: {} for k in paths}
         flush_ms = []
         cpu0 = time.process_time()
         gen_cpu = 0.0
@@ -277,6 +289,9 @@ def bench_store(node: SyntheticNode, hours: float) -> dict:
             gen_cpu += time.process_time() - g0
             req = [f for f in frames if f.kind == "request"]
             requests += sum(len(f.rows) for f in req)
+            for f in frames:
+                rows = written["requests" if f.kind == "request" else "samples"]
+                rows[f.kind] = rows.get(f.kind, 0) + len(f.rows)
             stores["samples"].append([f for f in frames if f.kind != "request"])
             stores["requests"].append(req)
             t0 = time.perf_counter()
@@ -293,8 +308,12 @@ def bench_store(node: SyntheticNode, hours: float) -> dict:
             reads.append((time.perf_counter() - t0) * 1000)
         out["window_rows"] = sum(len(df) for df in w.tables.values())
         for s in stores.values():
+            expect_no_drops(s.health())
             s.close()
         sizes = {k: os.path.getsize(p) for k, p in paths.items()}
+        for k, p in paths.items():
+            expect(written[k], f"no {k} frames were made")
+            expect_store_rows(p, written[k])
     days = ticks / 86400
     out.update({
         "ticks": ticks,

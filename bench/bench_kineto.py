@@ -2,6 +2,9 @@
 
     .venv/bin/python bench/bench_kineto.py [--runs 5] [--synthetic-mb 200] [--json-load-baseline]
 
+Before a figure: every run read the trace whole (the synthesized trace's GPU events all counted;
+any at all in the V100 trace); otherwise exit 3 with the reason.
+
 Each run is a fresh interpreter, so its peak RSS (ru_maxrss) belongs to that
 run alone; "base" is the same interpreter after imports, before reading.
 MB/s counts uncompressed trace bytes (10^6 bytes per MB). Figures are medians
@@ -28,6 +31,9 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+from checks import expect  # noqa: E402
+
 V100 = REPO / ".." / "shared" / "data" / "kineto" / "v100_resnet_rank0.json.gz"
 
 _CHILD = r"""
@@ -52,13 +58,18 @@ print(json.dumps({"wall_s": wall, "base_kib": base, "peak_kib": peak, "bytes": s
 
 
 def _run_child(path: Path, mode: str = "gpudiag") -> dict:
-    out = subprocess.run([sys.executable, "-c", _CHILD, str(path), mode], capture_output=True, text=True,
-                         check=True, cwd=REPO)
-    return json.loads(out.stdout)
+    p = subprocess.run([sys.executable, "-c", _CHILD, str(path), mode], capture_output=True, text=True, cwd=REPO)
+    expect(p.returncode == 0, f"reading {path} failed: {p.stderr.strip()[-2000:]}")
+    return json.loads(p.stdout)
 
 
-def _measure(label: str, path: Path, runs: int, mode: str = "gpudiag", size: int | None = None) -> None:
+def _measure(label: str, path: Path, runs: int, mode: str = "gpudiag", size: int | None = None,
+             gpu_events: int | None = None) -> None:
     results = [_run_child(path, mode) for _ in range(runs)]
+    for r in results:  # the trace was read whole: every GPU event it holds (any at all, when not known)
+        got = r["gpu_events"]
+        expect(got == gpu_events if gpu_events is not None else got > 0,
+               f"{path.name}: {got:,} GPU events read, the trace holds {gpu_events if gpu_events else 'some'}")
     size = size or results[0]["bytes"]
     wall = statistics.median(r["wall_s"] for r in results)
     peak = statistics.median(r["peak_kib"] for r in results) / 1024
@@ -67,8 +78,8 @@ def _measure(label: str, path: Path, runs: int, mode: str = "gpudiag", size: int
           f"peak RSS {peak:7.1f} MiB (base {base:.1f} MiB, +{peak - base:.1f})  [median of {runs}]")
 
 
-def synthesize_trace(path: Path, target_bytes: int, seed: int = 0) -> int:
-    """Write a Kineto-shaped trace of about ``target_bytes``; return its size in bytes."""
+def synthesize_trace(path: Path, target_bytes: int, seed: int = 0) -> tuple[int, int]:
+    """Write a Kineto-shaped trace of about ``target_bytes``; return its size in bytes and its GPU events."""
     rng = random.Random(seed)
     kernel_names = [
         "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>(int, float*)",
@@ -78,6 +89,7 @@ def synthesize_trace(path: Path, target_bytes: int, seed: int = 0) -> int:
     written = 0
     ts = 1_712_195_495_000_000.0
     corr = 1
+    gpu_events = 0
     with open(path, "w") as fh:
         head = '{"schemaVersion": 1, "deviceProperties": [{"id": 0, "name": "synthetic"}], "traceEvents": [\n'
         fh.write(head)
@@ -110,6 +122,7 @@ def synthesize_trace(path: Path, target_bytes: int, seed: int = 0) -> int:
                                          "cat": "ac2g", "name": "ac2g", "bp": "e"}))
                 ts += 40.0
                 corr += 1
+                gpu_events += 1
             text = ("" if first else ",\n") + ",\n".join(lines)
             first = False
             fh.write(text)
@@ -117,7 +130,7 @@ def synthesize_trace(path: Path, target_bytes: int, seed: int = 0) -> int:
         tail = '\n], "traceName": "synthetic"}\n'
         fh.write(tail)
         written += len(tail)
-    return os.path.getsize(path)
+    return os.path.getsize(path), gpu_events
 
 
 def main() -> None:
@@ -137,10 +150,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="gpudiag-bench-") as tmp:
         for mb in sorted({max(args.synthetic_mb / 4, 1.0), args.synthetic_mb}):
             path = Path(tmp) / f"synthetic_{mb:.0f}mb.json"
-            size = synthesize_trace(path, int(mb * 1e6))
-            _measure(f"synthesized trace, {mb:.0f} MB .json", path, args.synthetic_runs)
+            size, gpu_events = synthesize_trace(path, int(mb * 1e6))
+            _measure(f"synthesized trace, {mb:.0f} MB .json", path, args.synthetic_runs, gpu_events=gpu_events)
             if args.json_load_baseline and mb == args.synthetic_mb:
-                _measure("  for contrast: json.load of the same file", path, 1, mode="json.load", size=size)
+                # json.load counts every trace event: five per GPU event, and nothing else
+                _measure("  for contrast: json.load of the same file", path, 1, mode="json.load", size=size,
+                         gpu_events=5 * gpu_events)
             path.unlink()
 
 

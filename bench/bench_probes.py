@@ -14,6 +14,9 @@ statistics, write the JSON report, rename it) with torch.cuda's statistics
 calls answered in-process (no CUDA here): at 1 Hz its share of one core is
 that time per second.
 
+Before a figure: the last tick holds a row per GPU, engine and process, joined with the torch
+and host layers, and the reporter published without error; otherwise exit 3 with the reason.
+
 Prints medians of several runs:
 
     .venv/bin/python bench/bench_probes.py [--ticks 30] [--reporter-ticks 300]
@@ -31,7 +34,9 @@ import time
 from types import SimpleNamespace
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from checks import expect, expect_rows
 from fake_nvml import FakeNvml, Patcher
 
 from gpudiag.agent.tracker import ThreeColourTracker
@@ -156,8 +161,18 @@ def bench_tick(ticks: int, scratch: str) -> None:
                     parts[name].append(dt)
                 cpu_total.append(c1 - c0)
             time.sleep(0.05)
-        assert len(rows) == GPUS * PROCESSES_PER_GPU, len(rows)
-        assert all(r[M.process_torch_reserved_bytes] for r in rows if r["gpu"] == 0 and r["pid"] == pids[0])
+        # The last tick's frames: a row per GPU, engine and process, the torch layer joined in.
+        by_kind: dict[str, int] = {}
+        for fr in frames:
+            by_kind[fr.kind] = by_kind.get(fr.kind, 0) + len(fr.rows)
+        expect_rows(by_kind, {"gpu": GPUS, "engine": GPUS}, "the last tick's frames")
+        expect(len(rows) == GPUS * PROCESSES_PER_GPU,
+               f"the tracker joined {len(rows)} process rows, the node has {GPUS * PROCESSES_PER_GPU}")
+        joined = [r for r in rows if r["gpu"] == 0 and r["pid"] == pids[0]]
+        expect(bool(joined) and all(r.get(M.process_torch_reserved_bytes) for r in joined),
+               "the torch reporter's layer is missing from the joined process rows")
+        with_host = sum(1 for r in rows if r.get(M.process_cpu_utilization_ratio) is not None)
+        expect(with_host == len(rows), f"{len(rows) - with_host} process rows lack the host probe's CPU")
         print(f"sampling tick, {GPUS} GPUs x {PROCESSES_PER_GPU} processes ({len(rows)} process rows, "
               f"{len(pids)} host processes x {THREADS_PER_PROCESS} threads, {GPUS} engine endpoints), "
               f"median of {ticks} ticks:")
@@ -216,7 +231,8 @@ def bench_reporter(ticks: int, scratch: str) -> None:
                 reporter.tick()
             runs.append((time.thread_time() - c0) / ticks)
         per_tick = statistics.median(runs)
-        assert reporter.last_error is None, reporter.last_error
+        expect(reporter.last_error is None, f"the reporter failed: {reporter.last_error}")
+        expect(os.path.exists(reporter.path), f"the reporter wrote no report at {reporter.path}")
         print(f"instrument() reporter: one publication (8 devices, 1 in use) costs {per_tick * 1e6:.0f} µs CPU "
               f"(median of 5 x {ticks}); at 1 Hz that is {per_tick * 100:.3f} % of one core (target < 0.1 %)")
     finally:

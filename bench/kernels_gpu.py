@@ -14,7 +14,8 @@ and exits 0. Sections, each guarded so one failure never loses the rest:
    contiguous cache, time (median, L2 flushed between runs), achieved
    bandwidth (K/V + q + out bytes / time) as a fraction of the datasheet peak
    and of the measured copy bandwidth, and the kernels' outputs compared.
-   Cells whose caches do not fit in memory are pruned.
+   Cells whose caches do not fit in memory are pruned; a cell whose two outputs
+   disagree beyond bf16's tolerance gets no figure, and fails the run (exit 1).
 4. cut-over -- host-inclusive time per call (calls issued back to back, as
    an engine without CUDA graphs does) of the Triton kernels vs the torch
    path at small sizes: the figures behind the constants in
@@ -459,8 +460,18 @@ def _decode_cell(cell: dict, timer: Timer, pa, device, peak, copy_bw, b, ctx, he
     def sdpa():
         return F.scaled_dot_product_attention(q4, kc, vc, scale=scale, **kw)
 
-    t_sdpa = timer.gpu_s(sdpa)
+    # The cell's input: both kernels computed the same attention. A cell where they disagree
+    # beyond bf16's tolerance times something else, and gets no figure.
     diff = (out_tri.float() - out_sdpa[:, :, 0].float()).abs().max().item()
+    atol, rtol = TOLERANCE["bfloat16"]
+    if not torch.allclose(out_tri.float(), out_sdpa[:, :, 0].float(), atol=atol, rtol=rtol):
+        for key in ("triton_s", "triton_bytes_per_s"):
+            cell.pop(key, None)
+        cell.update(max_abs_diff=diff, invalid=f"paged decode and SDPA disagree: max|diff| {diff:.3g} "
+                    f"over the bf16 tolerance (atol {atol:g}, rtol {rtol:g})")
+        log(f"{b:>5} {ctx:>7} {splits:>6} | FAIL: {cell['invalid']}; no figure")
+        return
+    t_sdpa = timer.gpu_s(sdpa)
     cell.update(sdpa_s=t_sdpa, sdpa_bytes_per_s=moved / t_sdpa, max_abs_diff=diff, sdpa_over_triton=t_sdpa / t_tri)
     if peak:
         cell.update(triton_peak_fraction=moved / t_tri / peak, sdpa_peak_fraction=moved / t_sdpa / peak)
@@ -635,6 +646,12 @@ def main(argv: list[str] | None = None) -> int:
             decode_grid(report, timer, mods[0], device, peak, copy_bw, batches, contexts, args.deadline_s, **hd)
         except Exception as exc:  # noqa: BLE001
             report.error("decode grid", exc)
+        invalid = [c for c in report.doc["sections"].get("decode_grid", []) if c.get("invalid")]
+        timed = [c for c in report.doc["sections"].get("decode_grid", []) if "sdpa_s" in c]
+        if invalid or not timed:
+            ok = False
+            log(f"decode grid: {len(invalid)} cell(s) whose outputs disagree, {len(timed)} timed: its figures "
+                f"do not stand")
 
         try:
             cutover(report, timer, mods, device, args.deadline_s + 60, args.quick, small=args.cpu_selftest)

@@ -7,7 +7,9 @@ an agent that scrapes it, and ``--clients`` clients posting /generate for
 SIGTERM and runs ``gpudiag investigate`` over the store it wrote. Prints what a
 node owner checks first (requests served, scrape latency, the GPU, process and
 engine series the agent exports, the stop) and writes every figure as JSON to
-``--json`` (default ``$OUT/node_e2e.json`` when OUT is set).
+``--json`` (default ``$OUT/node_e2e.json`` when OUT is set). Before a figure: requests were
+served and the agent's store holds its rows (GPU and process rows on a GPU, engine rows
+everywhere) with none dropped; otherwise exit 3 with the reason (the JSON is written first).
 
     python bench/node_e2e.py [--device cuda|cpu] [--load-s 40] [--clients 16]
 """
@@ -25,6 +27,9 @@ import sys
 import tempfile
 import time
 import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checks import expect, store_rows  # noqa: E402
 
 from gpudiag.catalog import CATALOG, M  # noqa: E402
 
@@ -182,10 +187,24 @@ def main() -> int:
         res["gaps"] = [g.get("check") for g in d.get("gaps", [])]
     except ValueError:
         res["investigate_error"] = (inv.stdout + inv.stderr)[-1000:]
+    res["store_rows"] = store_rows(store, ("gpu", "process", "engine", "node")) if os.path.exists(store) else {}
+    dropped = CATALOG[M.agent_dropped_events_total].name
+    res["store_dropped_rows"] = sum(float(ln.rsplit(" ", 1)[1]) for ln in _series(text, dropped)
+                                    if 'probe="store"' in ln)
     engine_log = open(elog.name).read()
     res["engine_log_tracebacks"] = engine_log.count("Traceback")
     res["agent_log_warnings"] = [ln for ln in open(alog.name).read().splitlines() if " WARNING " in ln][:5]
 
+    if out_path:
+        with open(out_path, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    # The input of every figure below: requests served, and the agent's store holding the rows it
+    # exported (GPU and process rows from NVML on a GPU; the engine's everywhere), none dropped.
+    expect(res["requests_ok"] > 0, f"no request was served ({res['request_errors']} failed: {res['first_errors']})")
+    needed = ("gpu", "process", "engine") if args.device == "cuda" else ("engine",)
+    empty = [k for k in needed if not res["store_rows"].get(k)]
+    expect(not empty, f"the agent's store holds no {', '.join(empty)} rows ({res['store_rows']})")
+    expect(not res["store_dropped_rows"], f"the agent's store dropped {res['store_dropped_rows']:.0f} rows")
     print(f"engine ({args.device}) up in {res['engine_up_s']:.1f} s; agent up in {res['agent_up_s']:.1f} s")
     print(f"load: {res['requests_ok']} requests from {args.clients} clients in {args.load_s:g} s, "
           f"{res['request_errors']} failed, e2e P50 {res['e2e_p50_s'] or 0:.3f} s")
@@ -196,9 +215,7 @@ def main() -> int:
     print(f"agent SIGTERM: rc {res['agent_rc']} in {res['agent_stop_s']} s; engine rc {res['engine_rc']}; "
           f"tracebacks in the engine log: {res['engine_log_tracebacks']}")
     print(f"investigate: rc {res['investigate_rc']}, findings {res.get('findings')}, gaps {res.get('gaps')}")
-    if out_path:
-        with open(out_path, "w") as f:
-            json.dump(res, f, indent=1, default=str)
+    print(f"store: {', '.join(f'{k} {n}' for k, n in res['store_rows'].items())} rows, none dropped")
     # investigate: nothing of warning level on a calm node; 3 says some analyzers could not judge the
     # window (a few minutes of data, no eBPF), which a short run always leaves.
     ok = (res["requests_ok"] > 0 and res["agent_rc"] == 0 and res["engine_rc"] == 0
