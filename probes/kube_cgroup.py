@@ -30,7 +30,7 @@ The forms it knows come from the kubelet and the runtimes that name the cgroups:
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, asdict
+from dataclasses import asdict, dataclass
 
 __all__ = ["CgroupIdentity", "parse_cgroup", "parse_cgroup_path", "read_identity"]
 
@@ -39,7 +39,8 @@ _HEX64 = r"[0-9a-f]{64}"
 _UID = r"[0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12}|[0-9a-f]{32}"
 _POD_COMPONENT = re.compile(
     rf"^(?:[a-z0-9_.-]*?-)?(?:(?P<qos>besteffort|burstable)-)?pod(?P<uid>{_UID})(?:\.slice)?$")
-_QOS_COMPONENT = re.compile(r"^(?:[a-z0-9_-]*?-)?kubepods-(?P<qos>besteffort|burstable)(?:\.slice)?$|^(?P<plain>besteffort|burstable)$")
+_QOS_COMPONENT = re.compile(
+    r"^(?:[a-z0-9_-]*?-)?kubepods-(?P<qos>besteffort|burstable)(?:\.slice)?$|^(?P<plain>besteffort|burstable)$")
 _KUBEPODS = re.compile(r"^(?:[a-z0-9_-]*?-)?kubepods(?:\.slice)?$")
 # (component regex, runtime name). Order matters: crio-conmon before crio.
 _CONTAINER_FORMS = (
