@@ -26,7 +26,10 @@ VLLM_PREFIX = "vllm:"
 GAUGE, COUNTER, HISTOGRAM, INFO = "gauge", "counter", "histogram", "info"
 
 GPU_LABELS = ("node", "gpu", "uuid")
-PROCESS_LABELS = ("node", "gpu", "uuid", "pid", "process")
+# pod, namespace, container: where the process runs on Kubernetes (gpudiag.probes.kube), the names
+# dcgm-exporter gives the same labels; empty (absent to Prometheus) elsewhere.
+POD_LABELS = ("pod", "namespace", "container")
+PROCESS_LABELS = ("node", "gpu", "uuid", "pid", "process") + POD_LABELS
 ENGINE_LABELS = ("node", "gpu", "engine")
 
 # Context-length buckets (label ``context_bucket``) of gpudiag's per-request latency
@@ -307,7 +310,8 @@ METRICS: tuple[Metric, ...] = (
     _m("process_torch_external_fragmentation_ratio", GAUGE, "ratio",
        "1 - largest free block / free bytes in the caching allocator's segments.", _P, "process"),
     # --- Findings and the agent itself ------------------------------------------
-    _m("finding_active", GAUGE, "", "1 while a finding is open.", ("node", "kind", "severity", "gpu"), "finding"),
+    _m("finding_active", GAUGE, "", "1 while a finding is open (pod and namespace: whose process it is about).",
+       ("node", "kind", "severity", "gpu", "pod", "namespace"), "finding"),
     _m("agent_tick_seconds", GAUGE, "seconds", "Duration of the last collection tick by probe.", ("node", "probe"),
        "agent"),
     _m("agent_probe_errors_total", COUNTER, "", "Probe errors by probe and kind.", ("node", "probe", "kind"), "agent"),

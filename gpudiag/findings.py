@@ -70,6 +70,10 @@ class Finding:
     fixes: list[str] = field(default_factory=list)
     details: dict[str, Any] = field(default_factory=dict)
     open: bool = False  # still going at the window's last sample: end_s is the data's end, not the problem's
+    # Where the process (or the GPU's one tenant) runs on Kubernetes; None elsewhere or when unknown.
+    pod: str | None = None
+    namespace: str | None = None
+    container: str | None = None
 
     @property
     def id(self) -> str:
@@ -96,6 +100,9 @@ class Finding:
             "runbook": self.runbook,
             "fixes": list(self.fixes),
         }
+        for label in ("pod", "namespace", "container"):  # only on Kubernetes: the schema elsewhere is unchanged
+            if getattr(self, label):
+                d[label] = getattr(self, label)
         if self.details:
             d["details"] = {k: _clean(v) for k, v in self.details.items()}
         return d
