@@ -98,7 +98,8 @@ class _TopCommand(TyperCommand):
 
 
 def open_probes(sim: str | None, *, speed: float = 1.0, seed: int = 0, engine_urls: list[str] = (),
-                runtime_dirs: list[str] | None = None, sim_pods: bool = False) -> list[Probe]:
+                runtime_dirs: list[str] | None = None, sim_pods: bool = False, kubernetes: str = "auto",
+                pod_resources_socket: str | None = None) -> list[Probe]:
     """The probes ``top`` reads: the simulated GPU's, or NVML + host + torch reporters + engine endpoints.
 
     On a Kubernetes node NVML's processes carry their pod (gpudiag.probes.kube); ``sim_pods`` puts
@@ -106,6 +107,7 @@ def open_probes(sim: str | None, *, speed: float = 1.0, seed: int = 0, engine_ur
     """
     from gpudiag.probes.engine_scrape import EngineScrapeProbe
     from gpudiag.probes.kube import PodLabelled, PodResolver, on_kubernetes, sim_resolver
+    from gpudiag.probes.pod_resources import DEFAULT_SOCKET
 
     engines = [EngineScrapeProbe(url) for url in engine_urls]
     if sim is not None:
@@ -133,8 +135,10 @@ def open_probes(sim: str | None, *, speed: float = 1.0, seed: int = 0, engine_ur
         return targets
 
     nvml_probe = NvmlProbe()
-    nvml = _Recording(PodLabelled(nvml_probe, PodResolver()) if on_kubernetes() else nvml_probe, latest,
-                      {"gpu": "gpu", "process": "nvml"})
+    socket_path = pod_resources_socket or DEFAULT_SOCKET
+    pods = kubernetes == "on" or (kubernetes == "auto" and on_kubernetes(socket_path))
+    nvml = _Recording(PodLabelled(nvml_probe, PodResolver(pod_resources_socket=socket_path)) if pods else nvml_probe,
+                      latest, {"gpu": "gpu", "process": "nvml"})
     torch_probe = _Recording(TorchProbe(runtime_dirs, gpu_index_by_uuid=uuid_index), latest, {"process": "torch"})
     return [nvml, torch_probe, HostProbe(targets=host_targets)] + engines
 
