@@ -179,3 +179,39 @@ def test_top_shows_pod_names_from_the_simulated_node():
     r = subprocess.run([sys.executable, "-m", "gpudiag", "top", "--sim-pods", "--once"], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "--sim" in r.stderr
+
+
+def test_investigate_from_the_store_names_the_pods(cli, tmp_path):
+    """The cotenant scenario's frames, labelled as the agent labels them with --sim-pods, in a real store."""
+    import math
+
+    from gpudiag import repro as R
+    from gpudiag.agent.store import Store
+    from gpudiag.probes.kube import sim_resolver
+    from gpudiag.reference_engine import scenarios
+
+    t0 = 1_700_000_000.0
+    res = R.run(scenarios.get("cotenant"), None, 0)
+    pods = sim_resolver()
+    path = str(tmp_path / "cotenant.db")
+    store = Store.open(path)
+    for kind, df in res.window.tables.items():
+        by_t: dict[float, list[dict]] = {}
+        for row in df.to_dict("records"):
+            t = row.pop("t")
+            by_t.setdefault(t, []).append({k: v for k, v in row.items() if not (isinstance(v, float) and math.isnan(v))})
+        store.append(pods.annotate([Frame(kind, t0 + t, rows) for t, rows in by_t.items()]))
+        store.flush()
+    store.close()
+    p = cli("investigate", "--store", path, "--from", str(t0), "--to", str(t0 + 1800), "--json")
+    assert p.returncode == 1, p.stderr
+    doc = json.loads(p.stdout)
+    cot = next(f for f in doc["findings"] if f["kind"] == "gpu_cotenant")
+    assert (cot["pod"], cot["namespace"], cot["container"]) == ("finetune-lora-0", "research", "trainer")
+    assert "in pod research/finetune-lora-0" in cot["summary"]
+    assert "engine pod serving/vllm-llama-8b-7d9f6c-x2k4q" in cot["summary"]
+    mem = {m["pid"]: m for m in doc["memory"]}
+    assert mem[31337]["pod"] == "finetune-lora-0" and mem[4242]["namespace"] == "serving"
+    text = cli("investigate", "--store", path, "--from", str(t0), "--to", str(t0 + 1800),
+               env={**os.environ, "COLUMNS": "120"}).stdout
+    assert "pod research/finetune-lora-0" in text
