@@ -199,7 +199,8 @@ def test_investigate_from_the_store_names_the_pods(cli, tmp_path):
         by_t: dict[float, list[dict]] = {}
         for row in df.to_dict("records"):
             t = row.pop("t")
-            by_t.setdefault(t, []).append({k: v for k, v in row.items() if not (isinstance(v, float) and math.isnan(v))})
+            kept = {k: v for k, v in row.items() if not (isinstance(v, float) and math.isnan(v))}
+            by_t.setdefault(t, []).append(kept)
         store.append(pods.annotate([Frame(kind, t0 + t, rows) for t, rows in by_t.items()]))
         store.flush()
     store.close()
