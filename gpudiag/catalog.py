@@ -29,7 +29,9 @@ GPU_LABELS = ("node", "gpu", "uuid")
 # pod, namespace, container: where the process runs on Kubernetes (gpudiag.probes.kube), the names
 # dcgm-exporter gives the same labels; empty (absent to Prometheus) elsewhere.
 POD_LABELS = ("pod", "namespace", "container")
-PROCESS_LABELS = ("node", "gpu", "uuid", "pid", "process") + POD_LABELS
+# gpu_instance, compute_instance: the MIG instance the process runs in (NVML's IDs); empty without MIG.
+MIG_LABELS = ("gpu_instance", "compute_instance")
+PROCESS_LABELS = ("node", "gpu", "uuid", "pid", "process") + MIG_LABELS + POD_LABELS
 ENGINE_LABELS = ("node", "gpu", "engine")
 
 # Context-length buckets (label ``context_bucket``) of gpudiag's per-request latency
@@ -136,6 +138,10 @@ METRICS: tuple[Metric, ...] = (
        _G + ("reason",), "gpu"),
     _m("gpu_performance_state", GAUGE, "", "Performance state (0 = P0, maximum performance).", _G, "gpu"),
     _m("gpu_xid_errors_total", COUNTER, "", "XID error events by XID code.", _G + ("xid",), "gpu"),
+    _m("gpu_mig_memory_used_bytes", GAUGE, "bytes", "Device memory in use in one MIG device (GPU and compute "
+       "instance).", _G + MIG_LABELS, "gpu"),
+    _m("gpu_mig_memory_total_bytes", GAUGE, "bytes", "Device memory of one MIG device (its GPU instance's share).",
+       _G + MIG_LABELS, "gpu"),
     _m("gpu_lost", GAUGE, "", "1 when NVML reports the GPU as lost (fallen off the bus).", _G, "gpu"),
     _m("gpu_info", INFO, "", "Static GPU facts; metrics are unreliable where mig_mode or virtualization is set.",
        _G + ("name", "pci_bus_id", "driver_version", "cuda_driver_version", "mig_mode", "virtualization_mode"), "gpu"),

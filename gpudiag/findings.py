@@ -74,6 +74,9 @@ class Finding:
     pod: str | None = None
     namespace: str | None = None
     container: str | None = None
+    # The MIG instance the process runs in; None without MIG.
+    gpu_instance: int | None = None
+    compute_instance: int | None = None
 
     @property
     def id(self) -> str:
@@ -100,8 +103,9 @@ class Finding:
             "runbook": self.runbook,
             "fixes": list(self.fixes),
         }
-        for label in ("pod", "namespace", "container"):  # only on Kubernetes: the schema elsewhere is unchanged
-            if getattr(self, label):
+        # Only on Kubernetes and under MIG: the schema elsewhere is unchanged.
+        for label in ("pod", "namespace", "container", "gpu_instance", "compute_instance"):
+            if getattr(self, label) is not None:
                 d[label] = getattr(self, label)
         if self.details:
             d["details"] = {k: _clean(v) for k, v in self.details.items()}

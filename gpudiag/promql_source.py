@@ -161,8 +161,9 @@ KEYS = {"gpu": ("node", "gpu"), "process": ("node", "gpu", "pid"), "engine": ("n
         "node": ("node",), "cuda_api": ("node", "pid", "api")}
 # pod, namespace, container: the agent's process series and dcgm-exporter's GPU series (the pod its
 # pod-resources lookup gave the GPU) carry them on Kubernetes; attributes, not extra dimensions.
-ATTRIBUTES = {"gpu": ("uuid", "pod", "namespace", "container"), "process": ("uuid", "process", "pod", "namespace",
-                                                                         "container"), "cuda_api": ("process",)}
+ATTRIBUTES = {"gpu": ("uuid", "pod", "namespace", "container"),
+              "process": ("uuid", "process", "gpu_instance", "compute_instance", "pod", "namespace", "container"),
+              "cuda_api": ("process",)}
 _INT_LABELS = ("gpu", "pid")
 
 

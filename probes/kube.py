@@ -196,7 +196,10 @@ class PodResolver:
                     except (TypeError, ValueError):
                         rows.append(r)
                         continue
-                    labels = self.resolve(pid, r.get("uuid"))
+                    # Under MIG the kubelet hands pods MIG devices: their UUID first, then the GPU's.
+                    labels = self.resolve(pid, r.get("mig_uuid") or r.get("uuid"))
+                    if "pod" not in labels and r.get("mig_uuid"):
+                        labels = self.resolve(pid, r.get("uuid"))
                     rows.append({**r, **labels} if labels else r)
                 out.append(Frame(fr.kind, fr.t, rows))
         return out
