@@ -42,6 +42,7 @@ silently falls back to a default. Example (every key at its default)::
     [kubernetes]
     mode = "auto"                   # auto (on where the kubelet's socket or log links are) | on | off
     pod_resources_socket = "/var/lib/kubelet/pod-resources/kubelet.sock"
+    kubeconfig = ""                 # pod names from the API server too ("" = the node's records only)
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ SCHEMA: dict[str, dict[str, _Key]] = {
     "kubernetes": {
         "mode": _Key(str, "auto", choices=KUBERNETES_MODES),
         "pod_resources_socket": _Key(str, "/var/lib/kubelet/pod-resources/kubelet.sock"),
+        "kubeconfig": _Key(str, ""),
     },
     "analyzers": {
         "interval_s": _Key((int, float), 10.0, minimum=1.0, maximum=3600.0),

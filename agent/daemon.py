@@ -736,7 +736,8 @@ class Agent:
         from gpudiag.commands.top import _unique_names, open_probes
 
         probes = open_probes(None, engine_urls=engine_urls, kubernetes=cfg.get("kubernetes.mode"),
-                             pod_resources_socket=cfg.get("kubernetes.pod_resources_socket"))
+                             pod_resources_socket=cfg.get("kubernetes.pod_resources_socket"),
+                             kubeconfig=cfg.get("kubernetes.kubeconfig") or None, node=self.node)
         intervals = {"nvml": cfg.get("probes.nvml_interval_s"), "host": cfg.get("probes.host_interval_s"),
                      "torch": cfg.get("probes.torch_interval_s")}
         for key, p in zip(_unique_names(probes), probes):

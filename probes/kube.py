@@ -14,7 +14,9 @@ Sources, each optional, in the order they are asked:
    on a GPU held by one container (as dcgm-exporter does); on a shared GPU
    (time-slicing, MPS) it lists every pod sharing it, and the cgroup's pod
    UID with sources 2-3 picks the process's own.
-5. ``static``: pid -> labels given by the caller (the simulated node).
+5. The API server (``api``, :mod:`gpudiag.probes.kube_api`, from a kubeconfig):
+   the node's pods by UID and container ID, where the log names cannot be read.
+6. ``static``: pid -> labels given by the caller (the simulated node).
 
 A label no source gives stays absent (never a guess). The lists and the
 PIDs' cgroups are re-read every ``refresh_s``.
@@ -83,12 +85,13 @@ class PodResolver:
     def __init__(self, *, proc_root: str = "/proc", pod_resources_socket: str | None = DEFAULT_SOCKET,
                  container_logs_dir: str | None = CONTAINER_LOGS_DIR, pod_logs_dir: str | None = POD_LOGS_DIR,
                  static: dict[int, dict[str, str]] | None = None, refresh_s: float = REFRESH_S,
-                 clock=time.monotonic):
+                 clock=time.monotonic, api=None, node: str | None = None):
         self.proc_root = proc_root
         self.client = PodResourcesClient(pod_resources_socket) if pod_resources_socket else None
         self.container_logs_dir = container_logs_dir
         self.pod_logs_dir = pod_logs_dir
         self.static = {int(k): dict(v) for k, v in (static or {}).items()}
+        self.api, self.node = api, node
         self.refresh_s = refresh_s
         self._clock = clock
         self._lock = threading.Lock()
@@ -117,6 +120,16 @@ class PodResolver:
             if names is None:
                 errors["pod_logs"] = f"{self.pod_logs_dir} not readable (not mounted?)"
             self._by_pod_uid = pod_log_dirs(names or ())
+        if self.api is not None:
+            from gpudiag.probes.kube_api import KubeApiError
+
+            try:
+                names = self.api.node_pods(self.node or os.uname().nodename)
+                # The node's own records win; the API server names what they do not.
+                self._by_container = {**names.by_container, **self._by_container}
+                self._by_pod_uid = {**names.by_uid, **self._by_pod_uid}
+            except KubeApiError as e:
+                errors["api_server"] = str(e)
         if self.client is not None:
             try:
                 self._gpu_holders = self.client.gpu_holders()
@@ -210,6 +223,7 @@ class PodResolver:
             "container_logs": bool(self.container_logs_dir) and "container_logs" not in self.errors,
             "pod_logs": bool(self.pod_logs_dir) and "pod_logs" not in self.errors,
             "pod_resources": self.client is not None and "pod_resources" not in self.errors,
+            "api_server": self.api is not None and "api_server" not in self.errors,
         }
         return {"name": "kubernetes", "available": True, "sources": sources, "errors": dict(self.errors),
                 "reason": "; ".join(self.errors.values())}
@@ -217,6 +231,8 @@ class PodResolver:
     def close(self) -> None:
         if self.client is not None:
             self.client.close()
+        if self.api is not None:
+            self.api.close()
 
 
 def on_kubernetes(socket_path: str = DEFAULT_SOCKET, container_logs_dir: str = CONTAINER_LOGS_DIR) -> bool:

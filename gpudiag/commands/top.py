@@ -99,7 +99,8 @@ class _TopCommand(TyperCommand):
 
 def open_probes(sim: str | None, *, speed: float = 1.0, seed: int = 0, engine_urls: list[str] = (),
                 runtime_dirs: list[str] | None = None, sim_pods: bool = False, kubernetes: str = "auto",
-                pod_resources_socket: str | None = None) -> list[Probe]:
+                pod_resources_socket: str | None = None, kubeconfig: str | None = None,
+                node: str | None = None) -> list[Probe]:
     """The probes ``top`` reads: the simulated GPU's, or NVML + host + torch reporters + engine endpoints.
 
     On a Kubernetes node NVML's processes carry their pod (gpudiag.probes.kube); ``sim_pods`` puts
@@ -137,8 +138,15 @@ def open_probes(sim: str | None, *, speed: float = 1.0, seed: int = 0, engine_ur
     nvml_probe = NvmlProbe()
     socket_path = pod_resources_socket or DEFAULT_SOCKET
     pods = kubernetes == "on" or (kubernetes == "auto" and on_kubernetes(socket_path))
-    nvml = _Recording(PodLabelled(nvml_probe, PodResolver(pod_resources_socket=socket_path)) if pods else nvml_probe,
-                      latest, {"gpu": "gpu", "process": "nvml"})
+    if pods:
+        api = None
+        if kubeconfig:
+            from gpudiag.probes.kube_api import KubeApi
+
+            api = KubeApi(kubeconfig)  # a bad kubeconfig is one line before any probe starts
+        resolver = PodResolver(pod_resources_socket=socket_path, api=api, node=node)
+    nvml = _Recording(PodLabelled(nvml_probe, resolver) if pods else nvml_probe, latest,
+                      {"gpu": "gpu", "process": "nvml"})
     torch_probe = _Recording(TorchProbe(runtime_dirs, gpu_index_by_uuid=uuid_index), latest, {"process": "torch"})
     return [nvml, torch_probe, HostProbe(targets=host_targets)] + engines
 
