@@ -18,7 +18,7 @@ The forms it knows come from the kubelet and the runtimes that name the cgroups:
 * The runtime names the container's cgroup inside the pod's: containerd
   ``cri-containerd-<64 hex>.scope`` (systemd) or ``<64 hex>`` (cgroupfs);
   CRI-O ``crio-<64 hex>.scope`` / ``crio-<64 hex>`` (its monitor process sits in
-  ``crio-conmon-<id>.scope``); docker and cri-dockerd ``docker-<64 hex>.scope``
+  ``crio-conmon-<id>.scope``, in the pod but in no container); docker and cri-dockerd ``docker-<64 hex>.scope``
   or ``<64 hex>``; podman ``libpod-<64 hex>.scope``. Outside Kubernetes docker
   uses ``/system.slice/docker-<id>.scope`` or ``/docker/<id>``.
 * cgroup v2 has one line ``0::PATH``; v1 has one line per hierarchy
@@ -45,7 +45,10 @@ _KUBEPODS = re.compile(r"^(?:[a-z0-9_-]*?-)?kubepods(?:\.slice)?$")
 # (component regex, runtime name). Order matters: crio-conmon before crio.
 _CONTAINER_FORMS = (
     (re.compile(rf"^cri-containerd-(?P<id>{_HEX64})\.scope$"), "containerd"),
+    # CRI-O's and podman's monitor processes (conmon) sit beside the container, not in it: the pod is
+    # theirs, the container is not (cAdvisor and the kubelet's stats skip these cgroups too).
     (re.compile(rf"^crio-conmon-(?P<id>{_HEX64})\.scope$"), "cri-o-conmon"),
+    (re.compile(rf"^libpod-conmon-(?P<id>{_HEX64})\.scope$"), "podman-conmon"),
     (re.compile(rf"^crio-(?P<id>{_HEX64})(?:\.scope)?$"), "cri-o"),
     (re.compile(rf"^docker-(?P<id>{_HEX64})\.scope$"), "docker"),
     (re.compile(rf"^libpod-(?P<id>{_HEX64})\.scope$"), "podman"),
@@ -106,7 +109,11 @@ def parse_cgroup_path(path: str) -> CgroupIdentity:
             m = rx.match(part)
             if m:
                 container_id, runtime = m.group("id"), (name or None)
+                if name.endswith("-conmon"):
+                    container_id = None  # the monitor, not the container it watches
                 break
+        if runtime is not None and container_id is None:
+            break  # a conmon cgroup: no container
         if container_id:
             if runtime is None and "docker" in parts[:-1]:
                 runtime = "docker"  # docker's cgroupfs driver outside Kubernetes: /docker/<id>

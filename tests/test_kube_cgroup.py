@@ -50,7 +50,7 @@ CASES = [
      UID, CID, "burstable", "cri-o"),
     ("v2 systemd cri-o conmon",
      f"0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{UID_}.slice/crio-conmon-{CID}.scope\n",
-     UID, CID, "burstable", "cri-o-conmon"),
+     UID, None, "burstable", "cri-o-conmon"),  # the monitor: in the pod, in no container
     ("v2 systemd docker (cri-dockerd)",
      f"0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{UID_}.slice/docker-{CID}.scope\n",
      UID, CID, "besteffort", "docker"),
@@ -85,6 +85,7 @@ CASES = [
     ("docker outside kubernetes, systemd", f"0::/system.slice/docker-{CID}.scope\n", None, CID, None, "docker"),
     ("docker outside kubernetes, cgroupfs v1", v1(f"/docker/{CID}"), None, CID, None, "docker"),
     ("podman", f"0::/machine.slice/libpod-{CID}.scope/container\n", None, CID, None, "podman"),
+    ("podman conmon", f"0::/machine.slice/libpod-conmon-{CID}.scope\n", None, None, None, None),  # names nothing
     ("pod cgroup itself (no container)",
      f"0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{UID_}.slice\n",
      UID, None, "besteffort", None),
