@@ -216,3 +216,23 @@ def test_investigate_from_the_store_names_the_pods(cli, tmp_path):
     text = cli("investigate", "--store", path, "--from", str(t0), "--to", str(t0 + 1800),
                env={**os.environ, "COLUMNS": "120"}).stdout
     assert "pod research/finetune-lora-0" in text
+
+
+def test_doctor_checks_what_pod_attribution_reads(cli, tmp_path):
+    sock = str(tmp_path / "kubelet.sock")
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text(f'[kubernetes]\npod_resources_socket = "{sock}"\n')
+    p = cli("doctor", "--feature", "kubernetes", "--config", str(cfg), "--json")
+    checks = {c["name"]: c for c in json.loads(p.stdout)["checks"] if c["feature"] == "kubernetes"}
+    assert checks["grpcio"]["status"] == "ok"
+    assert checks["kubelet pod-resources"]["status"] == "missing" and "not found" in checks["kubelet pod-resources"][
+        "detail"] and "daemonset.yaml" in checks["kubelet pod-resources"]["fix"]
+    assert p.returncode == 1
+    server = KubeletPodResources(PODS).start(sock)
+    try:
+        p = cli("doctor", "--feature", "kubernetes", "--config", str(cfg), "--json")
+    finally:
+        server.stop()
+    checks = {c["name"]: c for c in json.loads(p.stdout)["checks"] if c["feature"] == "kubernetes"}
+    assert checks["kubelet pod-resources"]["status"] == "ok"
+    assert checks["host PID namespace"]["status"] in ("ok", "wrong", "missing")
