@@ -19,13 +19,32 @@ import uuid
 from pathlib import Path
 
 import pytest
-from test_ebpf_probe import _SKIP_EBPF, built, fresh_shim  # noqa: F401 - built is a fixture
+from test_ebpf_probe import built, fresh_shim  # noqa: F401 - built is a fixture
 
 from gpudiag.frames import Frame
 from gpudiag.probes.kube import PodResolver
 from gpudiag.probes.kube_cgroup import read_identity
 
 KEEP_V1 = ("memory", "cpu", "pids")
+
+
+def ebpf_skip_reason() -> str | None:
+    """Why BPF programs cannot be loaded here (the readiness checks' first blocker), or None."""
+    import shutil
+
+    from gpudiag.probes import ebpf_readiness
+
+    if os.geteuid() != 0:
+        return "loading BPF programs needs root"
+    blockers = ebpf_readiness.blocking(ebpf_readiness.ebpf_checks())
+    if blockers:
+        return "eBPF unavailable: " + ebpf_readiness.explain(blockers[0])
+    if shutil.which("gcc") is None:
+        return "gcc is not installed (scripts/system-deps.d/10-ebpf.sh installs it)"
+    return None
+
+
+EBPF_SKIP = ebpf_skip_reason()
 
 
 def controllerless_v2_mount() -> str | None:
@@ -119,7 +138,7 @@ def test_a_process_moved_into_a_pod_slice_is_named_by_its_cgroup(pod_slice, tmp_
 
 
 @pytest.mark.ebpf
-@pytest.mark.skipif(_SKIP_EBPF is not None, reason=str(_SKIP_EBPF))
+@pytest.mark.skipif(EBPF_SKIP is not None, reason=str(EBPF_SKIP))
 def test_probe_cuda_json_names_the_pod_and_container_of_a_process_in_a_pod_slice(built, pod_slice):  # noqa: F811
     """`probe cuda --json` over a command that moves itself into the slice, then execs a CUDA workload."""
     uid, cid, leaf = pod_slice
