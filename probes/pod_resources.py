@@ -57,7 +57,11 @@ def base_device_id(device_id: str) -> str:
 
 
 def _messages():
-    from gpudiag.probes.proto import podresources_v1_pb2 as pb  # protobuf is a core dependency
+    try:
+        from gpudiag.probes.proto import podresources_v1_pb2 as pb
+    except Exception as e:  # noqa: BLE001 - no protobuf, or one older than the generated code (VersionError)
+        raise PodResourcesError(f"the pod-resources messages need protobuf >= 7.35 ({type(e).__name__}): "
+                                "pip install 'gpudiag[kubernetes]'") from None
     return pb
 
 
