@@ -38,6 +38,11 @@ silently falls back to a default. Example (every key at its default)::
     [analyzers]
     interval_s = 10
     window_s = 900                  # 15 minutes, kept in memory
+
+    [kubernetes]
+    mode = "auto"                   # auto (on where the kubelet's socket or log links are) | on | off
+    pod_resources_socket = "/var/lib/kubelet/pod-resources/kubelet.sock"
+    kubeconfig = ""                 # pod names from the API server too ("" = the node's records only)
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ import tomllib
 from gpudiag.errors import GpudiagError
 
 EBPF_MODES = ("auto", "on", "off")
+KUBERNETES_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,11 @@ SCHEMA: dict[str, dict[str, _Key]] = {
         # /metrics render of a busy vLLM costs it tens of milliseconds.
         "engine_interval_s": _Key((int, float), 5.0, **_INTERVAL),
         "engine_urls": _Key(list, []),
+    },
+    "kubernetes": {
+        "mode": _Key(str, "auto", choices=KUBERNETES_MODES),
+        "pod_resources_socket": _Key(str, "/var/lib/kubelet/pod-resources/kubelet.sock"),
+        "kubeconfig": _Key(str, ""),
     },
     "analyzers": {
         "interval_s": _Key((int, float), 10.0, minimum=1.0, maximum=3600.0),

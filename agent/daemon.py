@@ -666,9 +666,10 @@ class Agent:
 
     def __init__(self, config: AgentConfig, *, sim: str | None = None, speed: float = 1.0, seed: int = 0,
                  probes: list[tuple[str, Probe, float]] | None = None, node: str | None = None,
-                 serve_metrics: bool = True):
+                 serve_metrics: bool = True, sim_pods: bool = False):
         self.config = config
         self.sim, self.speed, self.seed = sim, speed, seed
+        self.sim_pods = sim_pods  # the simulated processes run in Kubernetes pods (gpudiag.probes.kube.sim_pods)
         self.node = node or config.get("agent.node") or ("sim-node" if sim else socket.gethostname())
         self._given_probes = probes
         self._serve_metrics = serve_metrics
@@ -720,7 +721,12 @@ class Agent:
             # Held from its first step: the analyses must follow it from the start.
             self._sim_probe = SimTimeline(self.sim, speed=self.speed, seed=self.seed,
                                           hold_after_s=cfg.get("analyzers.interval_s") + SIM_LEAD_S)
-            slots.append(ProbeSlot("sim", self._sim_probe, self._sim_probe.interval_s, self._ingest, timeline=True))
+            sim_probe: Probe = self._sim_probe
+            if self.sim_pods:
+                from gpudiag.probes.kube import PodLabelled, sim_resolver
+
+                sim_probe = PodLabelled(self._sim_probe, sim_resolver())
+            slots.append(ProbeSlot("sim", sim_probe, self._sim_probe.interval_s, self._ingest, timeline=True))
             from gpudiag.probes.engine_scrape import EngineScrapeProbe
 
             for i, url in enumerate(engine_urls):
@@ -730,7 +736,9 @@ class Agent:
             return slots
         from gpudiag.probes.node import open_probes, unique_names
 
-        probes = open_probes(None, engine_urls=engine_urls)
+        probes = open_probes(None, engine_urls=engine_urls, kubernetes=cfg.get("kubernetes.mode"),
+                             pod_resources_socket=cfg.get("kubernetes.pod_resources_socket"),
+                             kubeconfig=cfg.get("kubernetes.kubeconfig") or None, node=self.node)
         intervals = {"nvml": cfg.get("probes.nvml_interval_s"), "host": cfg.get("probes.host_interval_s"),
                      "torch": cfg.get("probes.torch_interval_s")}
         for key, p in zip(unique_names(probes), probes):

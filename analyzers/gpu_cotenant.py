@@ -92,17 +92,20 @@ def analyze(window: Window) -> list[Finding]:
                 ts = q.t[at]
                 inside = at[(ts >= start) & (ts <= end)]
                 if inside.size:
-                    top.append((float(q.mem[inside].max()), q.pid, q.name_at(inside)))
+                    top.append((float(q.mem[inside].max()), q.pid, q.name_at(inside), _pod_at(q, inside)))
             top.sort(key=lambda x: -x[0])
-            held_max, pid, name = top[0]
+            held_max, pid, name, pod = top[0]
+            engine_pod = next((_pod_at(q, np.flatnonzero(q.ok)) for q in procs if q.pid == engine_pid), None)
             worst = float(ratio[sel].min())
             i = int(np.argmin(np.where(sel, ratio, np.inf)))
             findings.append(Finding(
                 kind=KIND, severity=Severity.CRITICAL if worst <= KV_CRITICAL_RATIO else Severity.WARNING,
                 start_s=float(start), end_s=float(end), node=key.get("node"), gpu=label_int(key.get("gpu")),
                 pid=pid,
-                summary=(f"pid {pid}{f' ({name})' if name else ''} holds {fmt_bytes(held_max)} on the engine's "
-                         f"GPU {label_int(key.get('gpu'))}; KV capacity {fmt_bytes(kv[i])} vs "
+                summary=(f"pid {pid}{f' ({name})' if name else ''}{f' in pod {pod}' if pod else ''} holds "
+                         f"{fmt_bytes(held_max)} on the engine's GPU {label_int(key.get('gpu'))}"
+                         f"{f' (engine pod {engine_pod})' if engine_pod and engine_pod != pod else ''}; "
+                         f"KV capacity {fmt_bytes(kv[i])} vs "
                          f"{fmt_bytes(nominal[i])} nominal ({worst:.0%})"),
                 evidence=[
                     Evidence("cotenant_gpu_memory_bytes", float(cot[sel].max()), 0.0, min_bytes, "bytes"),
@@ -111,7 +114,9 @@ def analyze(window: Window) -> list[Finding]:
                     Evidence("kv_capacity_of_nominal_ratio", worst, 1.0, KV_BELOW_NOMINAL_RATIO, "ratio"),
                 ],
                 runbook=alert_name(KIND), fixes=list(FIX_NAMES),
-                details={"cotenant_pids": [p for _, p, _ in top], "engine_pid": engine_pid,
+                details={"cotenant_pids": [p for _, p, _, _ in top], "engine_pid": engine_pid,
+                         **({"cotenant_pods": [q for *_, q in top if q], "engine_pod": engine_pod}
+                            if any(q for *_, q in top) or engine_pod else {}),
                          "nominal_kv_capacity_bytes": float(nominal[i]), "nominal_source": _source(e)},
             ))
     return findings
@@ -257,6 +262,17 @@ class _Process:
             lut = {u: i for i, u in enumerate(uniques)}
             got = (np.array([lut.get(str(v), -1) if v is not None and v == v else -1 for v in values]), uniques)
         return got
+
+
+def _pod_at(q: _Process, at: np.ndarray) -> str | None:
+    """``namespace/pod`` of the process at its last row among ``at`` (Kubernetes), else None."""
+    if not at.size or "pod" not in q.rows:
+        return None
+    pod = _str_or_none(q.value_at("pod", int(at[-1])))
+    if not pod:
+        return None
+    ns = _str_or_none(q.value_at("namespace", int(at[-1]))) if "namespace" in q.rows else None
+    return f"{ns}/{pod}" if ns else pod
 
 
 def _processes(on_gpu: dict[tuple, list[_Process]], key: dict) -> list[_Process]:

@@ -29,6 +29,7 @@ from . import (
     memory_fragmentation,
     memory_leak,
     oom_forecast,
+    pod_labels,
     prefix_cache_thrash,
     queue_avalanche,
     throttling,
@@ -254,7 +255,7 @@ def conclude(window: Window, findings: list[Finding], clock: WindowClock | None 
     """Every analysis' last step: spans kept within the window's samples, the findings still going at
     its last sample flagged open (common.clamp_to_window), the chain assembled on its sampling step."""
     clock = clock or window_clock(window)
-    return chain.assemble(clamp_to_window(findings, clock), clock.step_s)
+    return chain.assemble(pod_labels.attribute(window, clamp_to_window(findings, clock)), clock.step_s)
 
 
 def run_all(window: Window) -> list[Finding]:

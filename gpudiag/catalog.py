@@ -26,7 +26,12 @@ VLLM_PREFIX = "vllm:"
 GAUGE, COUNTER, HISTOGRAM, INFO = "gauge", "counter", "histogram", "info"
 
 GPU_LABELS = ("node", "gpu", "uuid")
-PROCESS_LABELS = ("node", "gpu", "uuid", "pid", "process")
+# pod, namespace, container: where the process runs on Kubernetes (gpudiag.probes.kube), the names
+# dcgm-exporter gives the same labels; empty (absent to Prometheus) elsewhere.
+POD_LABELS = ("pod", "namespace", "container")
+# gpu_instance, compute_instance: the MIG instance the process runs in (NVML's IDs); empty without MIG.
+MIG_LABELS = ("gpu_instance", "compute_instance")
+PROCESS_LABELS = ("node", "gpu", "uuid", "pid", "process") + MIG_LABELS + POD_LABELS
 ENGINE_LABELS = ("node", "gpu", "engine")
 
 # Context-length buckets (label ``context_bucket``) of gpudiag's per-request latency
@@ -133,6 +138,10 @@ METRICS: tuple[Metric, ...] = (
        _G + ("reason",), "gpu"),
     _m("gpu_performance_state", GAUGE, "", "Performance state (0 = P0, maximum performance).", _G, "gpu"),
     _m("gpu_xid_errors_total", COUNTER, "", "XID error events by XID code.", _G + ("xid",), "gpu"),
+    _m("gpu_mig_memory_used_bytes", GAUGE, "bytes", "Device memory in use in one MIG device (GPU and compute "
+       "instance).", _G + MIG_LABELS, "gpu"),
+    _m("gpu_mig_memory_total_bytes", GAUGE, "bytes", "Device memory of one MIG device (its GPU instance's share).",
+       _G + MIG_LABELS, "gpu"),
     _m("gpu_lost", GAUGE, "", "1 when NVML reports the GPU as lost (fallen off the bus).", _G, "gpu"),
     _m("gpu_info", INFO, "", "Static GPU facts; metrics are unreliable where mig_mode or virtualization is set.",
        _G + ("name", "pci_bus_id", "driver_version", "cuda_driver_version", "mig_mode", "virtualization_mode"), "gpu"),
@@ -307,7 +316,8 @@ METRICS: tuple[Metric, ...] = (
     _m("process_torch_external_fragmentation_ratio", GAUGE, "ratio",
        "1 - largest free block / free bytes in the caching allocator's segments.", _P, "process"),
     # --- Findings and the agent itself ------------------------------------------
-    _m("finding_active", GAUGE, "", "1 while a finding is open.", ("node", "kind", "severity", "gpu"), "finding"),
+    _m("finding_active", GAUGE, "", "1 while a finding is open (pod and namespace: whose process it is about).",
+       ("node", "kind", "severity", "gpu", "pod", "namespace"), "finding"),
     _m("agent_tick_seconds", GAUGE, "seconds", "Duration of the last collection tick by probe.", ("node", "probe"),
        "agent"),
     _m("agent_probe_errors_total", COUNTER, "", "Probe errors by probe and kind.", ("node", "probe", "kind"), "agent"),

@@ -458,7 +458,7 @@ def catalog_samples(snap: Snapshot) -> dict[str, dict[tuple[str, ...], Any]]:
     active = CATALOG[M.finding_active]
     for f in snap.findings:
         values = {"node": f.get("node") or snap.node, "kind": f.get("kind"), "severity": f.get("severity"),
-                  "gpu": f.get("gpu")}
+                  "gpu": f.get("gpu"), "pod": f.get("pod"), "namespace": f.get("namespace")}
         families.add(active, tuple(_label_value(values.get(name)) for name in active.labels), 1)
     out: dict[str, dict[tuple[str, ...], Any]] = {}
     for column, metric in CATALOG.items():

@@ -70,6 +70,13 @@ class Finding:
     fixes: list[str] = field(default_factory=list)
     details: dict[str, Any] = field(default_factory=dict)
     open: bool = False  # still going at the window's last sample: end_s is the data's end, not the problem's
+    # Where the process (or the GPU's one tenant) runs on Kubernetes; None elsewhere or when unknown.
+    pod: str | None = None
+    namespace: str | None = None
+    container: str | None = None
+    # The MIG instance the process runs in; None without MIG.
+    gpu_instance: int | None = None
+    compute_instance: int | None = None
 
     @property
     def id(self) -> str:
@@ -96,6 +103,10 @@ class Finding:
             "runbook": self.runbook,
             "fixes": list(self.fixes),
         }
+        # Only on Kubernetes and under MIG: the schema elsewhere is unchanged.
+        for label in ("pod", "namespace", "container", "gpu_instance", "compute_instance"):
+            if getattr(self, label) is not None:
+                d[label] = getattr(self, label)
         if self.details:
             d["details"] = {k: _clean(v) for k, v in self.details.items()}
         return d

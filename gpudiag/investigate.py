@@ -253,8 +253,8 @@ def memory(window: Window, findings: list[Finding]) -> list[dict[str, Any]]:
     if proc.empty or "pid" not in proc:
         return []
     labels = [c for c in ("node", "gpu", "pid") if c in proc]
-    wanted = [c for c in ("t", "process", M.process_torch_largest_free_block_bytes, *LAYER_COLUMNS.values())
-              if c in proc]
+    wanted = [c for c in ("t", "process", "pod", "namespace", "container", M.process_torch_largest_free_block_bytes,
+                          *LAYER_COLUMNS.values()) if c in proc]
     # The last observed value of each column per process, read back from each one's last rows
     # (a day holds ten million rows; the answer is in the last few of each process).
     latest = []
@@ -273,6 +273,7 @@ def memory(window: Window, findings: list[Finding]) -> list[dict[str, Any]]:
         out.append({
             "node": ent.get("node"), "gpu": ent.get("gpu"), "pid": ent.get("pid"),
             "process": ent.get("process"),
+            **{k: ent[k] for k in ("pod", "namespace", "container") if isinstance(ent.get(k), str) and ent[k]},
             "t": _num(ent["t"]),
             "white_bytes": w, "grey_bytes": g, "black_bytes": b,
             "grey_minus_white_bytes": None if w is None or g is None else g - w,

@@ -243,7 +243,8 @@ def agent_findings(url: str, *, kind: str | None = None, gpu: int | None = None)
                 index = int(labels["gpu"]) if labels.get("gpu", "").isdigit() else None
                 if (kind is None or labels.get("kind") == kind) and (gpu is None or index == gpu):
                     findings.append({"kind": labels.get("kind"), "severity": labels.get("severity"),
-                                     "node": labels.get("node"), "gpu": index, "state": "open"})
+                                     "node": labels.get("node"), "gpu": index, "state": "open",
+                                     **{k: labels[k] for k in ("pod", "namespace") if labels.get(k)}})
     except ValueError as exc:
         raise GpudiagError(f"agent {metrics_url}: not a Prometheus exposition ({exc})") from None
     return {"source": f"agent:{metrics_url}", "open": len(findings), "resolved": None, "findings": findings,

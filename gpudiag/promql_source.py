@@ -143,7 +143,9 @@ FOREIGN: tuple[Foreign, ...] = (
     _D("DCGM_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL", M.gpu_nvlink_errors_total, path=("dl_crc_data",)),
 )
 # Foreign label names -> the frames' label names (dcgm-exporter spells them its own way).
-FOREIGN_LABELS = {"UUID": "uuid", "Hostname": "node"}
+FOREIGN_LABELS = {"UUID": "uuid", "Hostname": "node",
+                  # dcgm-exporter's older pod label names (its --use-old-namespace)
+                  "pod_name": "pod", "pod_namespace": "namespace", "container_name": "container"}
 # Where a series names its node, in order: the agent's label, dcgm-exporter's, the scrape target's host.
 NODE_LABELS = ("node", "Hostname", "instance")
 
@@ -157,7 +159,11 @@ def _vllm_aliases() -> dict[str, str]:
 # Entity labels per frame kind: the key of a row, and labels carried along.
 KEYS = {"gpu": ("node", "gpu"), "process": ("node", "gpu", "pid"), "engine": ("node", "gpu", "engine"),
         "node": ("node",), "cuda_api": ("node", "pid", "api")}
-ATTRIBUTES = {"gpu": ("uuid",), "process": ("uuid", "process"), "cuda_api": ("process",)}
+# pod, namespace, container: the agent's process series and dcgm-exporter's GPU series (the pod its
+# pod-resources lookup gave the GPU) carry them on Kubernetes; attributes, not extra dimensions.
+ATTRIBUTES = {"gpu": ("uuid", "pod", "namespace", "container"),
+              "process": ("uuid", "process", "gpu_instance", "compute_instance", "pod", "namespace", "container"),
+              "cuda_api": ("process",)}
 _INT_LABELS = ("gpu", "pid")
 
 

@@ -43,6 +43,8 @@ def findings_panel(findings: list[Finding], title: str = "Findings", scenario=No
         head.append(f"[{f.severity.value}] ", style=_STYLE[f.severity.value])
         head.append(f"{f.kind}", style="bold")
         gpu = "" if f.gpu is None else f" gpu {f.gpu}"
+        if f.pod:
+            gpu += f" pod {f.namespace + '/' if f.namespace else ''}{f.pod}"
         end = "ongoing at the run's end" if f.open else fmt_seconds(f.end_s)
         head.append(f"{gpu}  {fmt_seconds(f.start_s)} → {end}\n")
         head.append("  " * depth + "   " + f.summary)

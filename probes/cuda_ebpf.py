@@ -46,6 +46,7 @@ from gpudiag.errors import GpudiagError
 from gpudiag.frames import Frame
 from gpudiag.probes import cuda_libs, ebpf_readiness
 from gpudiag.probes.cuda_libs import DRIVER, RUNTIME, CudaLibrary
+from gpudiag.probes.kube_cgroup import read_identity
 
 log = logging.getLogger(__name__)
 
@@ -659,6 +660,7 @@ class ProbedProcess:
     symbols_signature: frozenset = frozenset()
     maps_signature: frozenset = frozenset()
     oom_killed: bool = False
+    cgroup: Any = None  # gpudiag.probes.kube_cgroup.CgroupIdentity, read while the process lives
 
 
 def _read_comm(pid: int) -> str:
@@ -973,10 +975,13 @@ class CudaApiProbe:
         signature = frozenset(m.path for m in maps)
         if signature != proc.maps_signature:
             proc.maps_signature = signature
+            proc.cgroup = None  # new mappings (an exec): its container is read again below
             for lib in cuda_libs.libraries_in_process(proc.pid, maps=maps):
                 proc.libraries.add(lib.name)
                 self.attach_library(lib)
         proc.comm = _read_comm(proc.pid) or proc.comm  # changes at exec
+        if proc.cgroup is None:
+            proc.cgroup = read_identity(proc.pid)  # container and pod: gone with the process, so read while alive
         if proc.symbols is None or proc.symbols_signature != signature:
             # bcc's symbol cache reads the mappings once; it stays usable after the process exits.
             self._free_symbols(proc)
@@ -1235,6 +1240,12 @@ class CudaApiProbe:
             proc = self.processes.get(e["pid"])
             if proc is not None:
                 e.update(comm=proc.comm, alive=proc.alive, libraries=sorted(proc.libraries))
+                if proc.cgroup is None and proc.alive:
+                    proc.cgroup = read_identity(proc.pid)
+            ident = proc.cgroup if proc is not None else None
+            # Where the process runs: its container and Kubernetes pod (None outside either).
+            e.update(container_id=ident.container_id if ident else None, pod_uid=ident.pod_uid if ident else None,
+                     container_runtime=ident.runtime if ident else None, pod_qos=ident.qos if ident else None)
             e["launches"].sort(key=lambda r: -r["count"])
         drops = self.drops()
         return {

@@ -15,9 +15,17 @@ from gpudiag.probes.base import Probe
 
 
 def open_probes(sim: str | None, *, speed: float = 1.0, seed: int = 0, engine_urls: list[str] = (),
-                runtime_dirs: list[str] | None = None) -> list[Probe]:
-    """The probes ``top`` reads: the simulated GPU's, or NVML + host + torch reporters + engine endpoints."""
+                runtime_dirs: list[str] | None = None, sim_pods: bool = False, kubernetes: str = "auto",
+                pod_resources_socket: str | None = None, kubeconfig: str | None = None,
+                node: str | None = None) -> list[Probe]:
+    """The probes ``top`` reads: the simulated GPU's, or NVML + host + torch reporters + engine endpoints.
+
+    On a Kubernetes node NVML's processes carry their pod (gpudiag.probes.kube); ``sim_pods`` puts
+    the simulated processes in pods.
+    """
     from gpudiag.probes.engine_scrape import EngineScrapeProbe
+    from gpudiag.probes.kube import PodLabelled, PodResolver, on_kubernetes, sim_resolver
+    from gpudiag.probes.pod_resources import DEFAULT_SOCKET
 
     engines = [EngineScrapeProbe(url) for url in engine_urls]
     if sim is not None:
@@ -25,7 +33,8 @@ def open_probes(sim: str | None, *, speed: float = 1.0, seed: int = 0, engine_ur
             from gpudiag.probes.sim import open_sim_probes
         except ImportError:
             raise GpudiagError("the simulated GPU backend is not available") from None
-        return [SimNode(p) for p in open_sim_probes(sim, speed=speed, seed=seed)] + engines
+        return [SimNode(PodLabelled(p, sim_resolver()) if sim_pods else p)
+                for p in open_sim_probes(sim, speed=speed, seed=seed)] + engines
     from gpudiag.probes.host import HostProbe
     from gpudiag.probes.nvml import NvmlProbe
     from gpudiag.probes.torch_probe import TorchProbe
@@ -43,7 +52,18 @@ def open_probes(sim: str | None, *, speed: float = 1.0, seed: int = 0, engine_ur
                     if (r.get("uuid"), r.get("pid")) not in known]
         return targets
 
-    nvml = _Recording(NvmlProbe(), latest, {"gpu": "gpu", "process": "nvml"})
+    nvml_probe = NvmlProbe()
+    socket_path = pod_resources_socket or DEFAULT_SOCKET
+    pods = kubernetes == "on" or (kubernetes == "auto" and on_kubernetes(socket_path))
+    if pods:
+        api = None
+        if kubeconfig:
+            from gpudiag.probes.kube_api import KubeApi
+
+            api = KubeApi(kubeconfig)  # a bad kubeconfig is one line before any probe starts
+        resolver = PodResolver(pod_resources_socket=socket_path, api=api, node=node)
+    nvml = _Recording(PodLabelled(nvml_probe, resolver) if pods else nvml_probe, latest,
+                      {"gpu": "gpu", "process": "nvml"})
     torch_probe = _Recording(TorchProbe(runtime_dirs, gpu_index_by_uuid=uuid_index), latest, {"process": "torch"})
     return [nvml, torch_probe, HostProbe(targets=host_targets)] + engines
 

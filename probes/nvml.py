@@ -98,6 +98,25 @@ HOST_PROC_ENV = "GPUDIAG_HOST_PROC"
 DEFAULT_HOST_PROC = "/host/proc"
 
 
+# NVML's instance ID of a process that runs in no MIG instance (NVML_VALUE_NOT_AVAILABLE as uint32).
+_NO_INSTANCE = 0xFFFFFFFF
+
+
+def _mig_columns(row: dict[str, Any], mig: list[dict[str, Any]]) -> None:
+    """Per-MIG-device memory on the GPU row, nested by GPU instance then compute instance."""
+    used: dict[str, dict[str, int]] = {}
+    total: dict[str, dict[str, int]] = {}
+    for d in mig:
+        gi, ci = str(d["gpu_instance"]), str(d["compute_instance"])
+        if "used_bytes" in d:
+            used.setdefault(gi, {})[ci] = d["used_bytes"]
+            total.setdefault(gi, {})[ci] = d["total_bytes"]
+    if used:
+        row[M.gpu_mig_memory_used_bytes] = used
+        row[M.gpu_mig_memory_total_bytes] = total
+    row["mig_devices"] = [{k: d[k] for k in ("uuid", "gpu_instance", "compute_instance")} for d in mig]
+
+
 def _err(name: str):
     """The pynvml exception class ``NVMLError_<name>`` (a class that matches nothing if absent)."""
     if pynvml is None:
@@ -244,7 +263,7 @@ class _Gpu:
     def unreliable(self) -> str | None:
         if self.mig_mode == "enabled":
             return ("MIG is enabled: utilization and per-process memory of the physical GPU mix every "
-                    "GPU instance; per-instance figures need the MIG device handles")
+                    "GPU instance; each MIG device's memory is in gpu_mig_memory_*_bytes")
         if self.virtualization_mode not in (None, "none", "passthrough"):
             return (f"virtualization mode {self.virtualization_mode}: the guest sees a time-sliced share, "
                     "so utilization and clocks describe the physical GPU, not this tenant")
@@ -572,7 +591,37 @@ class NvmlProbe(Probe):
             row["row_remap_pending"] = bool(pending)
             row["row_remap_failed"] = bool(failure)
 
-    def _process_rows(self, gpu: _Gpu) -> list[dict[str, Any]]:
+    def _mig_devices(self, gpu: _Gpu) -> list[dict[str, Any]]:
+        """The MIG devices of a GPU in MIG mode: ``uuid``, ``gpu_instance``, ``compute_instance``, memory.
+
+        Empty without MIG (no call is made unless NVML said MIG is enabled). An empty slot
+        answers NOT_FOUND and is skipped; a failure of one device's memory is that field
+        missing, not the device.
+        """
+        if gpu.mig_mode != "enabled":
+            return []
+        count = self._read(gpu, "mig_devices", pynvml.nvmlDeviceGetMaxMigDeviceCount)
+        out = []
+        for i in range(int(count or 0)):
+            try:
+                mh = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(gpu.handle, i)
+                dev = {"uuid": _text(pynvml.nvmlDeviceGetUUID(mh)),
+                       "gpu_instance": int(pynvml.nvmlDeviceGetGpuInstanceId(mh)),
+                       "compute_instance": int(pynvml.nvmlDeviceGetComputeInstanceId(mh))}
+            except _err("NotFound"):
+                continue  # no MIG device in this slot (or it was destroyed since the count)
+            except NVML_FAILURES as exc:
+                self._classify(gpu, "mig_devices", exc)
+                if self._missing.has(gpu.entity, "mig_devices"):
+                    return []
+                continue
+            mem = self._read(gpu, M.gpu_mig_memory_used_bytes, lambda h, m=mh: pynvml.nvmlDeviceGetMemoryInfo(m))
+            if mem is not None:
+                dev["used_bytes"], dev["total_bytes"] = int(mem.used), int(mem.total)
+            out.append(dev)
+        return out
+
+    def _process_rows(self, gpu: _Gpu, mig: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:
         by_pid: dict[int, Any] = {}
         for column, fn_name in (("compute_processes", "nvmlDeviceGetComputeRunningProcesses"),
                                 ("graphics_processes", "nvmlDeviceGetGraphicsRunningProcesses")):
@@ -597,6 +646,16 @@ class NvmlProbe(Probe):
                 row["container_pid"] = container_pid
             if p.usedGpuMemory is not None:  # None: NVML_VALUE_NOT_AVAILABLE (MIG without permission, WDDM)
                 row[M.process_gpu_memory_bytes] = int(p.usedGpuMemory)
+            gi, ci = getattr(p, "gpuInstanceId", None), getattr(p, "computeInstanceId", None)
+            if gpu.mig_mode == "enabled" and gi is not None and gi != _NO_INSTANCE:
+                row["gpu_instance"] = int(gi)
+                if ci is not None and ci != _NO_INSTANCE:
+                    row["compute_instance"] = int(ci)
+                # The MIG device's UUID: what the kubelet's device plugin hands pods under MIG.
+                dev = next((d for d in mig if d["gpu_instance"] == row["gpu_instance"]
+                            and d["compute_instance"] == row.get("compute_instance")), None)
+                if dev is not None:
+                    row["mig_uuid"] = dev["uuid"]
             if gpu.unreliable:
                 row["metrics_unreliable"] = gpu.unreliable
             rows.append(row)
@@ -642,8 +701,12 @@ class NvmlProbe(Probe):
             for gpu in self._gpus:
                 if not gpu.lost:
                     try:
-                        gpu_rows.append(self._gpu_row(gpu))
-                        process_rows.extend(self._process_rows(gpu))
+                        row = self._gpu_row(gpu)
+                        mig = self._mig_devices(gpu)
+                        if mig:
+                            _mig_columns(row, mig)
+                        gpu_rows.append(row)
+                        process_rows.extend(self._process_rows(gpu, mig))
                         continue
                     except _GpuLost as exc:
                         gpu.lost, gpu.lost_reason = True, str(exc)

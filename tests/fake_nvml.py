@@ -15,6 +15,14 @@ the driver raises them:
   ``DRIVER_NOT_LOADED``): ``nvmlInit`` fails as on a machine without a driver;
 * ``xid(gpu, 79)``: an XID critical error event waits in every event set that
   registered the GPU.
+* MIG: a GPU with ``mig_mode=1`` and ``mig_devices`` answers the MIG device
+  calls (``nvmlDeviceGetMaxMigDeviceCount``, ``...GetMigDeviceHandleByIndex``,
+  ``...GetGpuInstanceId``, ``...GetComputeInstanceId``, and UUID and memory of
+  a MIG handle) the way the driver does: an empty slot is ``NOT_FOUND``, an
+  index past the maximum ``INVALID_ARGUMENT``, instance IDs of a physical GPU
+  ``NOT_SUPPORTED``, and with MIG off every slot is ``NOT_FOUND``. A GPU
+  without MIG is ``fail(gpu, "nvmlDeviceGetMigMode", NVML_ERROR_NOT_SUPPORTED)``
+  with ``max_mig_devices=0``.
 
 Any other ``nvml*`` function is answered with ``FunctionNotFound`` and
 recorded in ``unmodelled_calls``, so a test can insist the probe stayed inside
@@ -40,6 +48,19 @@ class FakeProcess:
     pid: int
     used_bytes: int | None  # None: NVML_VALUE_NOT_AVAILABLE
     graphics: bool = False
+    gpu_instance: int | None = None  # the MIG instance it runs in (None: not under MIG)
+    compute_instance: int | None = None
+
+
+@dataclass
+class FakeMigDevice:
+    """One MIG device (a compute instance of a GPU instance) of a fake GPU."""
+
+    uuid: str
+    gpu_instance: int
+    compute_instance: int
+    memory_total: int = 10 * GIB
+    memory_used: int = 1 * GIB
 
 
 @dataclass
@@ -75,6 +96,8 @@ class FakeGpu:
     throttle_bits: int = 0
     pstate: int = 0
     mig_mode: int = 0
+    max_mig_devices: int = 7  # 0 on a GPU without MIG
+    mig_devices: list[FakeMigDevice | None] = field(default_factory=list)  # by slot; None: an empty slot
     virtualization_mode: int = 0
     processes: list[FakeProcess] = field(default_factory=list)
 
@@ -103,6 +126,8 @@ class FakeNvml:
         self._handles = [pynvml.c_nvmlDevice_t(s) for s in self._structs]
         self._index_of = {ctypes.cast(h, ctypes.c_void_p).value: i for i, h in enumerate(self._handles)}
         self._event_sets: list[dict[str, Any]] = []
+        self._mig_structs: list = []
+        self._mig_of: dict[int, tuple[int, FakeMigDevice]] = {}  # MIG handle -> (GPU index, device)
 
     @classmethod
     def node(cls, n_gpus: int = 8, processes_per_gpu: int = 0, *, pids: list[int] | None = None,
@@ -226,8 +251,54 @@ class FakeNvml:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return self._handles[index]
 
+    def _mig(self, handle, function: str) -> FakeMigDevice | None:
+        """The MIG device behind ``handle`` (None for a physical GPU's handle); its GPU's failures apply."""
+        got = self._mig_of.get(ctypes.cast(handle, ctypes.c_void_p).value)
+        if got is None:
+            return None
+        i, dev = got
+        if not self.initialised:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
+        if i in self._lost:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+        code = self._failures.get((i, function), self._failures.get((None, function)))
+        if code is not None:
+            raise pynvml.NVMLError(code)
+        return dev
+
     def _nvmlDeviceGetUUID(self, h):
-        return self._gpu(h, "nvmlDeviceGetUUID")[1].uuid
+        dev = self._mig(h, "nvmlDeviceGetUUID")
+        return dev.uuid if dev is not None else self._gpu(h, "nvmlDeviceGetUUID")[1].uuid
+
+    def _nvmlDeviceGetMaxMigDeviceCount(self, h):
+        return self._gpu(h, "nvmlDeviceGetMaxMigDeviceCount")[1].max_mig_devices
+
+    def _nvmlDeviceGetMigDeviceHandleByIndex(self, h, index):
+        i, g = self._gpu(h, "nvmlDeviceGetMigDeviceHandleByIndex")
+        if not 0 <= index < g.max_mig_devices:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        dev = g.mig_devices[index] if g.mig_mode == 1 and index < len(g.mig_devices) else None
+        if dev is None:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+        s = pynvml.struct_c_nvmlDevice_t()
+        self._mig_structs.append(s)
+        handle = pynvml.c_nvmlDevice_t(s)
+        self._mig_of[ctypes.cast(handle, ctypes.c_void_p).value] = (i, dev)
+        return handle
+
+    def _nvmlDeviceGetGpuInstanceId(self, h):
+        dev = self._mig(h, "nvmlDeviceGetGpuInstanceId")
+        if dev is None:
+            self._gpu(h, "nvmlDeviceGetGpuInstanceId")
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)  # not a MIG device
+        return dev.gpu_instance
+
+    def _nvmlDeviceGetComputeInstanceId(self, h):
+        dev = self._mig(h, "nvmlDeviceGetComputeInstanceId")
+        if dev is None:
+            self._gpu(h, "nvmlDeviceGetComputeInstanceId")
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return dev.compute_instance
 
     def _nvmlDeviceGetName(self, h):
         return self._gpu(h, "nvmlDeviceGetName")[1].name
@@ -260,6 +331,11 @@ class FakeNvml:
         return u
 
     def _nvmlDeviceGetMemoryInfo(self, h, version=None):
+        dev = self._mig(h, "nvmlDeviceGetMemoryInfo")
+        if dev is not None:
+            m = pynvml.c_nvmlMemory_t()
+            m.total, m.used, m.free = dev.memory_total, dev.memory_used, dev.memory_total - dev.memory_used
+            return m
         g = self._gpu(h, "nvmlDeviceGetMemoryInfo")[1]
         if version:
             if g.memory_reserved is None:  # a driver before 510 has no v2 struct
@@ -342,8 +418,10 @@ class FakeNvml:
         for p in g.processes:
             if graphics and not p.graphics:
                 continue
-            out.append(pynvml.nvmlFriendlyObject({"pid": p.pid, "usedGpuMemory": p.used_bytes,
-                                                  "gpuInstanceId": 0xFFFFFFFF, "computeInstanceId": 0xFFFFFFFF}))
+            out.append(pynvml.nvmlFriendlyObject({
+                "pid": p.pid, "usedGpuMemory": p.used_bytes,
+                "gpuInstanceId": 0xFFFFFFFF if p.gpu_instance is None else p.gpu_instance,
+                "computeInstanceId": 0xFFFFFFFF if p.compute_instance is None else p.compute_instance}))
         return out
 
     def _nvmlDeviceGetComputeRunningProcesses(self, h):

@@ -58,6 +58,25 @@ def test_the_daemonset_runs_in_the_host_pid_namespace_with_resources_and_the_mou
     assert ready["path"] == "/metrics" and ready["port"] in ("metrics", 9400)
 
 
+def test_the_daemonset_mounts_what_pod_attribution_reads_read_only():
+    """The pod-resources socket's folder and the kubelet's log names, read-only; no cgroup filesystem (the
+    cgroup path comes from /proc/PID/cgroup in the host PID namespace) and no API server token."""
+    from gpudiag.agent.config import parse
+
+    pod = by_kind("daemonset.yaml", "DaemonSet")["spec"]["template"]["spec"]
+    (agent,) = pod["containers"]
+    mounts = {m["mountPath"]: m for m in agent["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    for path in ("/var/lib/kubelet/pod-resources", "/var/log/containers", "/var/log/pods"):
+        assert mounts[path].get("readOnly") is True, f"{path} must be read-only"
+        assert volumes[mounts[path]["name"]]["hostPath"]["path"] == path
+    assert not any(p.startswith("/sys/fs/cgroup") for p in mounts)
+    assert pod["hostPID"] is True and pod["automountServiceAccountToken"] is False
+    cfg = parse(by_kind("daemonset.yaml", "ConfigMap")["data"]["agent.toml"], "daemonset.yaml ConfigMap")
+    assert cfg.get("kubernetes.mode") == "on"
+    assert cfg.get("kubernetes.pod_resources_socket").startswith(mounts["/var/lib/kubelet/pod-resources"]["mountPath"])
+
+
 def test_the_daemonset_config_is_a_valid_agent_config_that_may_listen_beyond_loopback():
     from gpudiag.agent.config import parse
 

@@ -84,7 +84,7 @@ def test_an_unknown_feature_is_one_error_line(cli):
     proc = cli("doctor", "--feature", "quantum")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "gpudiag: error: unknown feature quantum: choose from nvml, cuda, torch, ebpf"]
+        "gpudiag: error: unknown feature quantum: choose from nvml, cuda, torch, ebpf, kubernetes"]
 
 
 @pytest.mark.parametrize("mode", ["off", "auto", "on"])

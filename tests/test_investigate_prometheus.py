@@ -127,7 +127,9 @@ def _in(offset: int, span: tuple[int, int]) -> bool:
 def _openmetrics(t0: int) -> str:
     """Two hours of one node as dcgm-exporter and vLLM export them, in OpenMetrics with timestamps."""
     offsets = range(0, SPAN_S, SAMPLE_S)
-    dcgm = f'gpu="0",UUID="GPU-5fb1c2a4",Hostname="{NODE}",device="nvidia0",modelName="NVIDIA A100-SXM4-80GB"'
+    # With its Kubernetes mapping on, dcgm-exporter names the pod the kubelet gave the GPU to.
+    dcgm = (f'gpu="0",UUID="GPU-5fb1c2a4",Hostname="{NODE}",device="nvidia0",modelName="NVIDIA A100-SXM4-80GB",'
+            f'pod="vllm-llama-0",namespace="serving",container="vllm"')
     vllm = f'instance="{NODE}:8000",job="vllm",model_name="llama-3-8b",engine="0"'
     out: list[str] = []
 
@@ -228,6 +230,7 @@ def test_vllm_and_dcgm_series_give_a_storm_a_thermal_slowdown_and_an_xid(cli, fo
     assert heat["severity"] == "critical" and heat["gpu"] == 0 and heat["node"] == NODE
     assert t0 + HEAT[0] - 10 <= heat["start_s"] and heat["end_s"] <= t0 + HEAT[1] + 10
     assert "hw_thermal_slowdown" in heat["summary"] and "91 C" in heat["summary"]
+    assert (heat["pod"], heat["namespace"], heat["container"]) == ("vllm-llama-0", "serving", "vllm")
     clock = next(e for e in heat["evidence"] if e["metric"] == "gpu_sm_clock_ratio")
     assert clock["observed"] == pytest.approx(1005 / 1410, abs=0.01)
     xid = by_kind["hardware_errors"]
@@ -249,6 +252,7 @@ def test_dcgm_units_become_si_and_labels_the_frames_own(foreign):
     gpu = window.table("gpu")
     row = gpu.iloc[len(gpu) // 2]
     assert row["node"] == NODE and row["gpu"] == 0 and row["uuid"] == "GPU-5fb1c2a4"
+    assert (row["pod"], row["namespace"], row["container"]) == ("vllm-llama-0", "serving", "vllm")
     assert row["gpu_memory_used_bytes"] == 70000 * MIB
     assert row["gpu_memory_total_bytes"] == (70000 + 11000 + 920) * MIB
     assert row["gpu_utilization_ratio"] == pytest.approx(0.82)

@@ -86,11 +86,11 @@ def scrape(url: str, **kwargs) -> tuple[int, str, dict]:
 
 
 def samples_of(text: str) -> dict[str, dict[tuple, float]]:
-    """{sample name: {sorted label items: value}}."""
+    """{sample name: {sorted label items: value}}; an empty label is left out, as Prometheus stores it."""
     out: dict[str, dict[tuple, float]] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+            out.setdefault(s.name, {})[tuple(sorted((k, v) for k, v in s.labels.items() if v != ""))] = s.value
     return out
 
 

@@ -38,7 +38,7 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def run(config_path: str | None, overrides: dict, *, sim: str | None, speed: float, seed: int,
-        verbose: bool = False) -> int:
+        verbose: bool = False, sim_pods: bool = False) -> int:
     """Run the agent until SIGTERM/SIGINT; returns the exit code."""
     from gpudiag.agent.config import load
     from gpudiag.agent.daemon import Agent
@@ -48,8 +48,11 @@ def run(config_path: str | None, overrides: dict, *, sim: str | None, speed: flo
         raise GpudiagError(f"--speed must be a positive number, got {speed:g}")
     if sim is None and speed != 1.0:
         raise GpudiagError("--speed applies to --sim only")
+    if sim is None and sim_pods:
+        raise GpudiagError("--sim-pods applies to --sim only")
     config = load(config_path).with_overrides(overrides)
-    agent = Agent(config, sim=sim, speed=speed, seed=seed)  # opens the store: a second agent stops here
+    # Opens the store: a second agent stops here.
+    agent = Agent(config, sim=sim, speed=speed, seed=seed, sim_pods=sim_pods)
     stop, hup = threading.Event(), threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda *_: hup.set())
@@ -116,11 +119,13 @@ def register(app: typer.Typer) -> None:
                                                                "on the simulated GPU instead of this node."),
         speed: float = typer.Option(1.0, "--speed", help="With --sim: simulated seconds per wall second."),
         seed: int = typer.Option(0, "--seed", help="With --sim: the workload's random seed."),
+        sim_pods: bool = typer.Option(False, "--sim-pods", help="With --sim: run the simulated processes in "
+                                                                 "Kubernetes pods (pod labels as on a node)."),
         node: Optional[str] = typer.Option(None, "--node", help="The node label (default: the host name)."),
         verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
     ):
         """Run the per-node agent: probes, timeline store, /metrics, OTLP and streaming findings."""
         overrides = {"exporter.listen": listen, "store.path": store, "otlp.endpoint": otlp_endpoint,
                      "agent.node": node}
-        code = run(config, overrides, sim=sim, speed=speed, seed=seed, verbose=verbose)
+        code = run(config, overrides, sim=sim, speed=speed, seed=seed, verbose=verbose, sim_pods=sim_pods)
         raise typer.Exit(code)

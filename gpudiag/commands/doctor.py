@@ -39,7 +39,7 @@ from gpudiag.errors import GpudiagError
 from gpudiag.render import figure_column, identity_column, terminal_table, text_column
 
 OK, MISSING, WRONG = "ok", "missing", "wrong"
-FEATURES = ("nvml", "cuda", "torch", "ebpf")
+FEATURES = ("nvml", "cuda", "torch", "ebpf", "kubernetes")
 # What gpudiag still does on a node without an NVIDIA driver: nothing of it reads a GPU of this node.
 WITHOUT_DRIVER = (
     "gpudiag repro and agent --sim: incidents on the simulated GPU",
@@ -314,6 +314,40 @@ def ebpf_checks() -> list[dict]:
 # --- the whole ------------------------------------------------------------------------------
 
 
+def kubernetes_checks(socket_path: str | None = None) -> list[dict]:
+    """What pod attribution reads (docs/kubernetes.md): grpcio, the kubelet's pod-resources socket, its
+    log names, and the host PID namespace."""
+    from gpudiag.probes.base import in_host_pid_namespace
+    from gpudiag.probes.kube import CONTAINER_LOGS_DIR
+    from gpudiag.probes.pod_resources import DEFAULT_SOCKET, PodResourcesError, check_socket
+
+    socket_path = socket_path or DEFAULT_SOCKET
+    out = []
+    try:
+        import grpc  # noqa: F401
+        out.append(_check("kubernetes", "grpcio", OK, "installed"))
+    except ImportError:
+        out.append(_check("kubernetes", "grpcio", MISSING, "not installed: the pod-resources API is gRPC",
+                          "pip install 'gpudiag[kubernetes]'"))
+    try:
+        check_socket(socket_path)
+        out.append(_check("kubernetes", "kubelet pod-resources", OK, f"{socket_path} answers connections"))
+    except PodResourcesError as e:
+        out.append(_check("kubernetes", "kubelet pod-resources", MISSING, str(e),
+                          "mount /var/lib/kubelet/pod-resources read-only and run the agent as root "
+                          "(deploy/kubernetes/daemonset.yaml)"))
+    readable = os.access(CONTAINER_LOGS_DIR, os.R_OK | os.X_OK)
+    out.append(_check("kubernetes", "kubelet log names", OK if readable else MISSING,
+                      f"{CONTAINER_LOGS_DIR} {'readable' if readable else 'not readable'}: container ID -> pod names",
+                      "" if readable else "mount /var/log/containers and /var/log/pods read-only", required=False))
+    host = in_host_pid_namespace()  # None: cannot tell (no /proc/self/ns/pid)
+    out.append(_check("kubernetes", "host PID namespace", OK if host else WRONG if host is False else MISSING,
+                      "every process's /proc/PID/cgroup is visible" if host
+                      else "only this container's processes are visible" if host is False
+                      else "cannot tell which PID namespace this is", "" if host else "hostPID: true"))
+    return out
+
+
 def default_features(facts: dict[str, Any]) -> list[str]:
     """What the node has, and nvml always: cuda where NVML answers, torch where it imports, ebpf where root
     or bcc is. Without a driver nvml is checked all the same: gpudiag watches GPUs through it."""
@@ -324,10 +358,15 @@ def default_features(facts: dict[str, Any]) -> list[str]:
         out.append("torch")
     if os.geteuid() == 0 or os.path.isdir("/usr/lib/python3/dist-packages/bcc"):
         out.append("ebpf")
+    from gpudiag.probes.kube import on_kubernetes
+
+    if on_kubernetes():
+        out.append("kubernetes")
     return out
 
 
-def run_checks(features: list[str] | None = None, *, ebpf_mode: str | None = None) -> dict[str, Any]:
+def run_checks(features: list[str] | None = None, *, ebpf_mode: str | None = None,
+               pod_resources_socket: str | None = None) -> dict[str, Any]:
     """Run the checks of ``features`` (None: the node's); returns {"features", "checks", "ok", "driver"},
     and ``without_driver`` (what still works, WITHOUT_DRIVER) on a node without an NVIDIA driver.
 
@@ -361,6 +400,8 @@ def run_checks(features: list[str] | None = None, *, ebpf_mode: str | None = Non
         checks += torch_checks(bool(facts.get("available")))
     if "ebpf" in chosen:
         checks += [dict(c, required=False) if ebpf_optional else c for c in ebpf_checks()]
+    if "kubernetes" in chosen:
+        checks += kubernetes_checks(pod_resources_socket)
     ok = all(c["status"] == OK for c in checks if c["required"] and c["feature"] in chosen)
     driver = bool(facts.get("available"))
     out = {"features": chosen, "checks": checks, "ok": ok,
@@ -405,12 +446,15 @@ def register(app: typer.Typer) -> None:
         json_out: Annotated[bool, typer.Option("--json", help="Print one JSON document.")] = False,
     ) -> None:
         """Check what gpudiag needs on this node: each check ok / missing / wrong, with the fix."""
-        ebpf_mode = None
+        ebpf_mode = socket_path = None
         if config is not None:
             from gpudiag.agent.config import load
 
-            ebpf_mode = load(config).get("probes.ebpf")
-        result = run_checks([f.strip().lower() for f in feature or ()] or None, ebpf_mode=ebpf_mode)
+            loaded = load(config)
+            ebpf_mode = loaded.get("probes.ebpf")
+            socket_path = loaded.get("kubernetes.pod_resources_socket")
+        result = run_checks([f.strip().lower() for f in feature or ()] or None, ebpf_mode=ebpf_mode,
+                            pod_resources_socket=socket_path)
         if config is not None:
             result["agent_config"] = {"path": config, "probes.ebpf": ebpf_mode}
         if json_out:

@@ -202,7 +202,8 @@ def _print(out: Console, doc: dict, findings, html: str | None) -> None:
             head.append(f"[{f.severity.value}] ", style=_STYLE[f.severity.value])
             head.append(f.kind, style="bold")
             entity = "".join(x for x in (f" node {f.node}" if f.node else "", "" if f.gpu is None else f" gpu {f.gpu}",
-                                         "" if f.pid is None else f" pid {f.pid}"))
+                                         "" if f.pid is None else f" pid {f.pid}",
+                                         f" pod {f.namespace + '/' if f.namespace else ''}{f.pod}" if f.pod else ""))
             end = "ongoing at the window's end" if f.open else _when(f.end_s, origin)
             head.append(f"{entity}   {_when(f.start_s, origin)} → {end}\n")
             head.append(pad + "   " + f.summary)
@@ -215,13 +216,15 @@ def _print(out: Console, doc: dict, findings, html: str | None) -> None:
     if mem:
         label = "implicated processes" if any(m["implicated"] for m in doc["memory"]) else "processes"
         table = terminal_table(f"Three-colour memory of the {label} (latest sample)")
-        for col in ("node", "gpu", "pid", "process"):
-            identity_column(table, col, ["" if m[col] is None else m[col] for m in mem],
-                            justify="left" if col in ("node", "process") else "right")
+        pods = any(m.get("pod") for m in mem)  # on Kubernetes: namespace/pod beside the process
+        for col in ("node", "gpu", "pid", "process") + (("pod",) if pods else ()):
+            identity_column(table, col, [_pod_of(m) if col == "pod" else "" if m[col] is None else m[col] for m in mem],
+                            justify="left" if col in ("node", "process", "pod") else "right")
         for col in ("white", "grey", "black", "grey-white", "black-grey", "largest free block"):
             figure_column(table, col, justify="right")
         for m in mem:
             table.add_row(str(m["node"]), str(m["gpu"]), str(m["pid"]), str(m["process"] or ""),
+                          *([_pod_of(m)] if pods else []),
                           fmt_bytes(m["white_bytes"]), fmt_bytes(m["grey_bytes"]), fmt_bytes(m["black_bytes"]),
                           fmt_bytes(m["grey_minus_white_bytes"]), fmt_bytes(m["black_minus_grey_bytes"]),
                           fmt_bytes(m["largest_free_block_bytes"]))
@@ -262,3 +265,9 @@ def _print_coverage(out: Console, covered: dict, found: bool) -> None:
         out.print(f"  did not run  {r['analyzer']}: {r['detail']}", markup=False, style="yellow")
     for u in covered["unjudged"]:
         out.print(f"  unjudged     {u['symptom']}: {u['detail']}", markup=False, style="dim")
+
+
+def _pod_of(m: dict) -> str:
+    """``namespace/pod`` of a memory row; "-" for a process in no known pod."""
+    pod, ns = m.get("pod"), m.get("namespace")
+    return (f"{ns}/{pod}" if ns else pod) if pod else "-"

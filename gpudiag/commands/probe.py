@@ -210,6 +210,10 @@ def render_status(snap: dict) -> Text:
                  f"{'on' if snap['host_tracepoints'] else 'off'}; dropped events {snap['dropped_events']}")
     for proc in snap["processes"]:
         parts = [f"pid {proc['pid']} {proc['comm'] or '?'}" + ("" if proc["alive"] else " (exited)")]
+        if proc.get("pod_uid"):
+            parts.append(f"pod {proc['pod_uid']}")
+        if proc.get("container_id"):
+            parts.append(f"container {proc['container_id'][:12]}")
         if proc["outstanding"] or proc["outstanding_bytes"]:
             n = sum(o["count"] for o in proc["outstanding"])
             parts.append(f"outstanding {fmt_bytes(proc['outstanding_bytes'])} in {n} allocations")

@@ -300,7 +300,8 @@ def read_agent_findings(url: str, timeout_s: float = AGENT_TIMEOUT_S) -> dict[st
                     gpu = sample.labels.get("gpu")
                     found.append({"kind": sample.labels.get("kind"), "severity": sample.labels.get("severity"),
                                   "gpu": int(gpu) if gpu and gpu.isdigit() else (gpu or None),
-                                  "node": sample.labels.get("node") or None})
+                                  "node": sample.labels.get("node") or None,
+                                  **{k: sample.labels[k] for k in ("pod", "namespace") if sample.labels.get(k)}})
     except (ValueError, TypeError, KeyError, IndexError) as exc:  # the parser's answers to a non-Prometheus page
         out["error"] = f"not a metrics page: {exc}"
         return out
@@ -574,12 +575,24 @@ def _process_table(view: dict[str, Any], width: int) -> Table:
                            f"{BLACK_GLYPH} driver (black)")
     identity_column(table, "GPU", [p.get("gpu") for p in view["processes"]])
     identity_column(table, "PID", [p.get("pid") for p in view["processes"]])
-    identity_column(table, "process", [p.get("process") or "?" for p in view["processes"]])
+    pods = [pod_name(p) for p in view["processes"]]
+    # On Kubernetes the pod (namespace/pod) is the first question about a GPU process: its own column
+    # on a wide screen; on a narrow one under the process name, in place of the busiest thread.
+    pod_column = any(pods) and width >= 120
+    pod_under = any(pods) and not pod_column
+    names = [p.get("process") or "?" for p in view["processes"]]
+    if pod_under:  # the pod folds at 22 columns: the figures beside it stay on an 80-column screen
+        identity_column(table, "process / pod", names + [x or "-" for x in pods], max_width=22)
+    else:
+        identity_column(table, "process", names)
+    if pod_column:
+        identity_column(table, "pod", [x or "-" for x in pods], max_width=48)
     table.add_column("memory", no_wrap=True)
     figure_column(table, "white / grey / black" if wide else "white/grey/black")
     figure_column(table, "trend/s")
     figure_column(table, "CPU")
-    figure_column(table, "top thread")
+    if not pod_under:
+        figure_column(table, "top thread")
     # One scale for every bar: the largest layer on screen, so processes compare at a glance
     # (the GPU table shows each process's share of the device).
     peak = max([v for p in view["processes"] for v in (p.get(M.process_gpu_memory_bytes),
@@ -596,13 +609,25 @@ def _process_table(view: dict[str, Any], width: int) -> Table:
         top = f"{threads[0]['name']} {threads[0]['cpu_ratio'] * 100:.0f}%" if threads else (
             f"? {p[M.process_thread_cpu_max_ratio] * 100:.0f}%" if p.get(M.process_thread_cpu_max_ratio) is not None
             else "n/a")
-        table.add_row(str(p.get("gpu")), str(p.get("pid")), p.get("process") or "?",
+        pod = pod_name(p)
+        name = p.get("process") or "?"
+        table.add_row(str(p.get("gpu")), str(p.get("pid")), f"{name}\n{pod or '-'}" if pod_under else name,
+                      *([pod or "-"] if pod_column else []),
                       three_colour_bar(white, grey, black, peak, BAR_WIDTH if wide else 6),
                       f"{fmt_bytes(white)} / {fmt_bytes(grey)} / {fmt_bytes(black)}" if wide
                       else _bytes_compact(white, grey, black),
                       "n/a" if trend is None else fmt_bytes(trend),
-                      "n/a" if cpu is None else f"{cpu * 100:.0f}%", top)
+                      "n/a" if cpu is None else f"{cpu * 100:.0f}%", *([] if pod_under else [top]))
     return table
+
+
+def pod_name(p: dict[str, Any]) -> str | None:
+    """``namespace/pod`` of a process row (its pod UID's start when only the cgroup named it); None off Kubernetes."""
+    pod, ns = p.get("pod"), p.get("namespace")
+    if isinstance(pod, str) and pod:
+        return f"{ns}/{pod}" if isinstance(ns, str) and ns else pod
+    uid = p.get("pod_uid")
+    return f"pod {uid[:8]}" if isinstance(uid, str) and uid else None
 
 
 def _bytes_compact(*layers: float | None) -> str:
@@ -656,7 +681,9 @@ def _engine_table(view: dict[str, Any], width: int) -> tuple[Table, Text]:
 
 def _finding_words(f: dict[str, Any]) -> str:
     gpu = "" if f.get("gpu") is None else f" gpu {f['gpu']}"
-    return f"{f['kind']} {f.get('severity') or '?'}{gpu}"
+    pod = f" pod {f['namespace']}/{f['pod']}" if f.get("pod") and f.get("namespace") else (
+        f" pod {f['pod']}" if f.get("pod") else "")
+    return f"{f['kind']} {f.get('severity') or '?'}{gpu}{pod}"
 
 
 def _finding_style(f: dict[str, Any]) -> str:
@@ -849,10 +876,15 @@ def register(app: typer.Typer) -> None:
         speed: Annotated[float, typer.Option(
             "--speed", min=0.01, help="With --sim: simulated seconds per second.")] = 1.0,
         seed: Annotated[int, typer.Option("--seed", help="With --sim: the workload's random seed.")] = 0,
+        sim_pods: Annotated[bool, typer.Option(
+            "--sim-pods", help="With --sim: run the simulated processes in Kubernetes pods (names shown as on "
+                               "a node).")] = False,
     ) -> None:
         """A live view: GPUs, each process's three memory colours and host CPU, engine queue, KV usage, latency."""
         if json_out and not once:
             raise GpudiagError("--json prints one frame: use it with --once")
+        if sim_pods and sim is None:
+            raise GpudiagError("--sim-pods puts the simulated processes in pods: use it with --sim")
         window_s = parse_duration(latency_window)
         if agent and store:
             raise GpudiagError("--agent and --store both name an agent's findings: give one")
@@ -860,7 +892,7 @@ def register(app: typer.Typer) -> None:
 
         def open_model() -> TopModel:
             probes = open_probes(sim, speed=speed, seed=seed, engine_urls=engine or [],
-                                 runtime_dirs=runtime_dir or None)
+                                 runtime_dirs=runtime_dir or None, sim_pods=sim_pods)
             return TopModel(probes, sim=sim, latency_window_s=window_s, findings=findings,
                             local=None if findings is not None else LocalFindings())
 
