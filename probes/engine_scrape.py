@@ -29,9 +29,10 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpudiag.catalog import ENGINE_LABELS, HISTOGRAM, INFO, METRICS, Metric
+from gpudiag.catalog import CATALOG, ENGINE_LABELS, HISTOGRAM, INFO, METRICS, Metric
 from gpudiag.errors import GpudiagError
 from gpudiag.frames import Frame
+from gpudiag.probes import engine_dialects
 from gpudiag.probes.base import Probe, ProbeError
 
 # Older vLLM names for catalog metrics; used only when the current name is absent.
@@ -67,7 +68,7 @@ def _family_name(sample_name: str) -> str:
 
 
 def _known_names() -> frozenset[str]:
-    names = set(_expected()) | set(VLLM_ALIASES)
+    names = set(_expected()) | set(VLLM_ALIASES) | set(engine_dialects.known_names())
     return frozenset(names | {_family_name(n) for n in names})
 
 
@@ -136,6 +137,8 @@ class EngineScrapeProbe(Probe):
         self._seen: set[str] = set()
         self._last_error = ""
         self._ok = False
+        self.dialect: str | None = None  # the engine dialect of the last page (engine_dialects.detect)
+        self._own_page = False
 
     def _fetch(self) -> str:
         request = urllib.request.Request(self.url, headers={"Accept": "text/plain;version=0.0.4"})
@@ -198,6 +201,14 @@ class EngineScrapeProbe(Probe):
             self._last_error = f"{self.url} did not answer Prometheus text: {type(exc).__name__}: {exc}"
             raise ProbeError(self._last_error) from None
         self._ok, self._last_error = True, ""
+        # The reference engine writes gpudiag's own engine series beside the dialect's.
+        self._own_page = any(f.name.startswith("gpudiag_engine_") for f in families)
+        self.dialect = engine_dialects.detect(s.name for f in families for s in f.samples) or self.dialect
+        if self.dialect is not None and self.dialect not in ("vllm", "vllm-v0"):
+            families = engine_dialects.to_catalog(families, engine_dialects.get(self.dialect))
+        elif self.dialect == "vllm":
+            families += engine_dialects.to_catalog(
+                [f for f in families if f.name == "vllm:cache_config_info"], engine_dialects.VLLM)
         rows: dict[str, dict[str, Any]] = {}
         aliased: list[tuple[str, dict[str, Any], Any]] = []
         self._seen = set()
@@ -315,13 +326,20 @@ class EngineScrapeProbe(Probe):
 
     def status(self) -> dict[str, Any]:
         """Scrape health, metrics the endpoint has that are not in the catalog, and catalog metrics it lacks."""
-        missing = sorted(n for n, m in self._expected.items() if n not in self._seen and m.dialect == "vllm")
-        gpudiag_seen = any(self._expected[n].dialect == "gpudiag" for n in self._seen if n in self._expected)
-        if gpudiag_seen:  # the reference engine: its own metrics are expected too
+        lacks: dict[str, str] = {}
+        if self.dialect not in (None, "vllm", "vllm-v0"):
+            # Another engine: the vocabulary is what is expected, and what it cannot export is said with why.
+            dialect = engine_dialects.get(self.dialect)
+            lacks = {CATALOG[c].name: why for c, why in engine_dialects.missing(dialect).items()}
+            missing = sorted(CATALOG[c].name for c in engine_dialects.VOCABULARY
+                             if CATALOG[c].name not in self._seen and CATALOG[c].name not in lacks)
+        else:
+            missing = sorted(n for n, m in self._expected.items() if n not in self._seen and m.dialect == "vllm")
+        if self._own_page:  # the reference engine: its own metrics are expected too
             missing += sorted(n for n, m in self._expected.items() if n not in self._seen and m.dialect == "gpudiag")
         return {"name": self.name, "available": self._ok, "reason": self._last_error, "url": self.url,
-                "missing_fields": {}, "missing_metrics": missing if self._ok else [],
-                "unknown_metrics": sorted(self._unknown)[:200]}
+                "dialect": self.dialect, "missing_fields": {}, "missing_metrics": missing if self._ok else [],
+                "lacks": lacks if self._ok else {}, "unknown_metrics": sorted(self._unknown)[:200]}
 
 
 def scrape_once(url: str, timeout_s: float = 2.0) -> list[dict[str, Any]]:
