@@ -366,6 +366,17 @@ BY_CONTEXT: dict[str, str] = {
 }
 
 
+# Recording rules (dashboards/engine_rules.py) normalise every serving engine's dialect into these
+# names: the prefix, then the catalog column (``gpudiag:num_requests_waiting``), with a ``dialect``
+# label naming the engine's. Alerts and dashboards that read them serve vLLM, SGLang... alike.
+NORMALISED_PREFIX = "gpudiag:"
+
+
+def normalised(column: str) -> str:
+    """The recorded name of an engine-vocabulary column (``gpudiag:<column>``)."""
+    return NORMALISED_PREFIX + get(column).column
+
+
 def get(column: str) -> Metric:
     """The catalog entry for a frame column; KeyError names the column."""
     try:
