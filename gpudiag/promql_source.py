@@ -814,7 +814,7 @@ def load_window(url: str, *, since: str | None = None, start: str | None = None,
     for f, names in fams:
         probe = next((n for n in f.pace if n in names), names[0])
         paces[f.name] = api.sample_interval_s(_selectors([probe], f.node_matchers, node), at)
-    for column, name, _ in hists:
+    for _, name, _ in hists:
         paces[name] = api.sample_interval_s(_selectors([name + "_count"], _VLLM_NODE_MATCHERS, node), at)
     known = [v for v in paces.values() if v]
     p = plan(lo, hi, step_s=step_s, scrape_interval_s=min(known) if known else None)

@@ -473,8 +473,6 @@ def _matches(series: Series, labels: dict[str, str]) -> bool:
 
 def _engine_labels(dialect: Dialect, labels: dict[str, str], drop: tuple[str, ...]) -> dict[str, str]:
     out = {k: v for k, v in labels.items() if k not in drop}
-    if dialect.engine_label is None:
-        out.pop("engine", None)
     if "model" in out and "model_name" not in out:  # Triton's model label is the served model
         out["model_name"] = out.pop("model")
     return out
@@ -682,11 +680,11 @@ def render(text: str, dialect: str | dict[Any, str], *, default: str = "vllm") -
         table = by_column.get(dname)
         if table is None:
             table = by_column[dname] = {}
-            seen: set[str] = set()
+            seen: set[tuple] = set()
             for s in get(dname).series:
-                if s.column and s.column not in table and s.name not in seen:
+                if s.column and s.column not in table and (s.name, s.where) not in seen:
                     table[s.column] = s
-                    seen.add(s.name)
+                    seen.add((s.name, s.where))
         return table.get(column)
 
     from gpudiag.catalog import BY_NAME

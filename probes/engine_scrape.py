@@ -29,7 +29,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpudiag.catalog import CATALOG, ENGINE_LABELS, HISTOGRAM, INFO, METRICS, Metric
+from gpudiag.catalog import CATALOG, ENGINE_LABELS, HISTOGRAM, INFO, METRICS, PREFIX, Metric
 from gpudiag.errors import GpudiagError
 from gpudiag.frames import Frame
 from gpudiag.probes import engine_dialects
@@ -205,7 +205,9 @@ class EngineScrapeProbe(Probe):
         self._own_page = any(f.name.startswith("gpudiag_engine_") for f in families)
         self.dialect = engine_dialects.detect(s.name for f in families for s in f.samples) or self.dialect
         if self.dialect is not None and self.dialect not in ("vllm", "vllm-v0"):
-            families = engine_dialects.to_catalog(families, engine_dialects.get(self.dialect))
+            # The engine's series in the catalog's names; gpudiag's own (the reference engine's) as they are.
+            own = [f for f in families if f.name.startswith(PREFIX)]
+            families = engine_dialects.to_catalog(families, engine_dialects.get(self.dialect)) + own
         elif self.dialect == "vllm":
             families += engine_dialects.to_catalog(
                 [f for f in families if f.name == "vllm:cache_config_info"], engine_dialects.VLLM)
@@ -338,7 +340,8 @@ class EngineScrapeProbe(Probe):
         if self._own_page:  # the reference engine: its own metrics are expected too
             missing += sorted(n for n, m in self._expected.items() if n not in self._seen and m.dialect == "gpudiag")
         return {"name": self.name, "available": self._ok, "reason": self._last_error, "url": self.url,
-                "dialect": self.dialect, "missing_fields": {}, "missing_metrics": missing if self._ok else [],
+                "dialect": self.dialect, "missing_fields": {},
+                "missing_metrics": sorted(set(missing)) if self._ok else [],
                 "lacks": lacks if self._ok else {}, "unknown_metrics": sorted(self._unknown)[:200]}
 
 
