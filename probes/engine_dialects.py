@@ -26,6 +26,7 @@ tokens. Readers:
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -644,18 +645,13 @@ def prom_series(include_vllm: bool = False) -> list[PromSeries]:
 # --- rendering: the reference engine speaking a dialect ---------------------------------------------------
 
 
-def _label_text(labels: dict[str, str]) -> str:
-    if not labels:
-        return ""
-    inner = ",".join(f'{k}="{str(v)}"'.replace("\n", " ") for k, v in labels.items())
-    return "{" + inner + "}"
+_GPU_LABEL = re.compile(r'(?:^|,)gpu="([^"]*)"')
+_LE_LABEL = re.compile(r'le="([^"]*)"')
 
 
 def _number(v: float) -> str:
     if math.isinf(v):
         return "+Inf" if v > 0 else "-Inf"
-    if v == int(v) and abs(v) < 1e15:
-        return f"{int(v)}.0"
     return repr(float(v))
 
 
@@ -666,20 +662,21 @@ def render(text: str, dialect: str | dict[Any, str], *, default: str = "vllm") -
     engines (``default`` for series of other GPUs). Each vocabulary series becomes the engine's
     own name, label selector and unit (Triton's first-response histogram in milliseconds); a
     series the engine does not export is left out, as the engine would; gpudiag's own series
-    (``gpudiag_*``) stay. Histogram buckets keep the reference engine's bounds.
+    (``gpudiag_*``) stay. Histogram buckets keep the reference engine's bounds. The text is
+    rewritten line by line (text format 0.0.4 as the agent writes it: a ``# TYPE`` line before
+    each family's samples).
     """
-    from prometheus_client.parser import text_string_to_metric_families
+    from gpudiag.catalog import BY_NAME
 
-    per_gpu = dialect if isinstance(dialect, dict) else None
-    per_gpu = {str(k): v for k, v in per_gpu.items()} if per_gpu is not None else None
+    per_gpu = {str(k): v for k, v in dialect.items()} if isinstance(dialect, dict) else None
     for name in ([dialect] if isinstance(dialect, str) else list(dialect.values())) + [default]:
         get(name)
-    by_column: dict[str, dict[str, Series | None]] = {}  # dialect -> column -> its first series
+    tables: dict[str, dict[str, Series]] = {}
 
     def series_for(dname: str, column: str) -> Series | None:
-        table = by_column.get(dname)
+        table = tables.get(dname)
         if table is None:
-            table = by_column[dname] = {}
+            table = tables[dname] = {}
             seen: set[tuple] = set()
             for s in get(dname).series:
                 if s.column and s.column not in table and (s.name, s.where) not in seen:
@@ -687,40 +684,53 @@ def render(text: str, dialect: str | dict[Any, str], *, default: str = "vllm") -
                     seen.add((s.name, s.where))
         return table.get(column)
 
-    from gpudiag.catalog import BY_NAME
-
     out: dict[str, tuple[str, str, list[str]]] = {}  # exposed family -> (type, help, sample lines)
-    for family in text_string_to_metric_families(text):
-        fname = family.name + ("_total" if family.type == "counter" else "")
-        metric = BY_NAME.get(fname) or BY_NAME.get(family.name)
-        for s in family.samples:
-            if s.name.endswith("_created"):
-                continue
-            gpu = s.labels.get("gpu")
-            dname = per_gpu.get(gpu, default) if per_gpu is not None else dialect
-            if metric is None or metric.dialect != "vllm" or dname == "vllm":
-                key = fname if family.type != "histogram" else family.name
-                got = out.setdefault(key, (family.type, family.documentation, []))
-                got[2].append(f"{s.name}{_label_text(s.labels)} {_number(s.value)}")
-                continue
-            series = series_for(dname, metric.column)
-            if series is None:
-                continue
-            labels = dict(s.labels)
-            labels.update(dict(series.where))
-            name = series.name
-            if metric.type == HISTOGRAM:
-                suffix = s.name[len(family.name):]
-                value = s.value / series.scale if suffix == "_sum" else s.value
-                if suffix == "_bucket":
-                    le = float(labels["le"])
-                    labels["le"] = "+Inf" if math.isinf(le) else _number(le / series.scale)
-                    labels["le"] = labels.pop("le")
-                line = f"{name}{suffix}{_label_text(labels)} {_number(value)}"
-            else:
-                line = f"{name}{_label_text(labels)} {_number(s.value * (1 / series.scale))}"
-            got = out.setdefault(name, (series.type, metric.help, []))
+    family, ftype, fhelp, metric = "", "untyped", "", None
+    for line in text.splitlines():
+        if not line:
+            continue
+        if line.startswith("#"):
+            parts = line.split(None, 3)
+            if len(parts) >= 3 and parts[1] == "HELP":
+                fhelp = parts[3] if len(parts) > 3 else ""
+            elif len(parts) >= 4 and parts[1] == "TYPE":
+                family, ftype = parts[2], parts[3]
+                metric = BY_NAME.get(family)
+            continue
+        brace = line.find("{")
+        space = line.find(" ")
+        end = brace if 0 <= brace < space else space
+        name = line[:end]
+        if brace == end:
+            close = line.index("}", brace)
+            labels, value = line[brace + 1:close], line[close + 1:].strip()
+        else:
+            labels, value = "", line[end + 1:].strip()
+        dname = dialect if per_gpu is None else None
+        if per_gpu is not None:
+            g = _GPU_LABEL.search(labels)
+            dname = per_gpu.get(g.group(1), default) if g else default
+        if metric is None or metric.dialect != "vllm" or dname == "vllm" or not name.startswith(family):
+            got = out.setdefault(family or name, (ftype, fhelp, []))
             got[2].append(line)
+            continue
+        series = series_for(dname, metric.column)
+        if series is None:
+            continue
+        suffix = name[len(family):]
+        if series.where:
+            labels = ",".join(x for x in (labels, ",".join(f'{k}="{v}"' for k, v in series.where)) if x)
+        if series.scale != 1.0:
+            if suffix == "_bucket":
+                le = _LE_LABEL.search(labels)
+                if le is not None and le.group(1) != "+Inf":
+                    scaled = _number(float(le.group(1)) / series.scale)
+                    labels = labels[:le.start()] + f'le="{scaled}"' + labels[le.end():]
+            elif suffix in ("_sum", ""):
+                value = _number(float(value) / series.scale)
+        exposed = series.name
+        got = out.setdefault(exposed, (series.type, fhelp, []))
+        got[2].append(f"{exposed}{suffix}{{{labels}}} {value}" if labels else f"{exposed}{suffix} {value}")
     lines = []
     for name, (typ, doc, samples) in out.items():
         lines.append(f"# HELP {name} {doc}")

@@ -50,6 +50,10 @@ class SpeakingRegistry(FramesRegistry):
         own = samples_text(catalog_samples(self.frames.latest.snapshot())).decode("utf-8")
         return engine_dialects.render(own, self.spec)
 
+    def text_exposition(self) -> bytes:
+        """What /metrics answers in the text format (the exporter writes it as is)."""
+        return self.text().encode("utf-8")
+
     def collect(self):
         yield from text_string_to_metric_families(self.text())
 
