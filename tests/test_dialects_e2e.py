@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -29,8 +30,9 @@ SIM_DEADLINE_S = 240.0
 NODES = {"sglang": "node-sglang", "trtllm": "node-trtllm"}
 
 
-def _query(url: str, expr: str) -> list:
-    return get_json(f"{url}/api/v1/query?query={expr}")["data"]["result"]
+def _query(url: str, expr: str, at: float | None = None) -> list:
+    when = f"&time={at:.3f}" if at is not None else ""
+    return get_json(f"{url}/api/v1/query?query={urllib.parse.quote(expr)}{when}")["data"]["result"]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +41,11 @@ def two_dialects(tmp_path_factory):
     tmp: Path = tmp_path_factory.mktemp("prom-dialects-e2e")
     ports = {d: free_port() for d in NODES}
     prom, url, prom_log = start_prometheus(
-        tmp, [{"job_name": d, "static_configs": [{"targets": [f"127.0.0.1:{p}"]}]} for d, p in ports.items()],
+        # The simulated engines both call their node sim-node: the scrape names each node, as a fleet's
+        # relabelling does.
+        tmp, [{"job_name": d, "static_configs": [{"targets": [f"127.0.0.1:{p}"]}],
+               "metric_relabel_configs": [{"target_label": "node", "replacement": NODES[d]}]}
+              for d, p in ports.items()],
         {"scrape_interval": SCRAPE_INTERVAL, "scrape_timeout": SCRAPE_INTERVAL})
     agents, logs = [], []
     try:
@@ -57,9 +63,10 @@ def two_dialects(tmp_path_factory):
             return len(result) == 2 and all(float(r["value"][1]) >= STORM_OVER_SIM_S for r in result)
 
         wait(f"simulated time {STORM_OVER_SIM_S:g} s on both agents", SIM_DEADLINE_S, past_storm, *agents, prom)
+        ended = time.time()
         for a in agents:
             stop(a)
-        yield url, started, time.time()
+        yield url, started, ended
     finally:
         for a in agents:
             stop(a)
@@ -70,13 +77,15 @@ def two_dialects(tmp_path_factory):
 
 
 def test_each_agent_writes_its_engine_in_its_dialect(two_dialects):
-    url, _, _ = two_dialects
-    assert _query(url, "sglang:num_running_reqs") and _query(url, "trtllm_num_requests_running")
-    assert _query(url, "sglang:num_retracted_requests_total")
+    url, _, ended = two_dialects
+    at = ended - 1
+    assert _query(url, "sglang:num_running_reqs", at) and _query(url, "trtllm_num_requests_running", at)
+    assert float(_query(url, "sglang:num_retracted_requests_total", at)[0]["value"][1]) > 0
     # No engine series in vLLM's names: each engine speaks only its own.
-    assert not _query(url, CATALOG[M.num_requests_running].name)
-    # trtllm-serve has no preemption counter, so its agent writes none.
-    assert not _query(url, "trtllm_num_preemptions_total")
+    assert not _query(url, CATALOG[M.num_requests_running].name, at)
+    assert not _query(url, CATALOG[M.num_preemptions_total].name, at)
+    # trtllm-serve has no preemption counter, so its agent writes none; gpudiag's own series stay.
+    assert _query(url, CATALOG[M.engine_kv_evictions_total].name + '{node="node-trtllm"}', at)
 
 
 def test_investigate_reads_both_dialects_and_finds_sglangs_storm(cli, two_dialects):
