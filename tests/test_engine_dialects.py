@@ -347,3 +347,32 @@ def test_every_dialect_cites_its_source_and_every_column_is_in_the_catalog():
             assert column in engine_dialects.VOCABULARY
         # Every vocabulary column is either filled or said to be missing, with a reason.
         assert set(engine_dialects.VOCABULARY) <= d.fills() | set(engine_dialects.missing(d))
+
+
+# vllm/v1/metrics/loggers.py: cache_config_info carries the pool's size in its labels; the residency
+# histograms (--kv-cache-metrics) share one bucket list.
+VLLM_KV_RESIDENCY = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600,
+                     1200, 1800]
+_VL = 'engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"'
+VLLM_EXTRAS_PAGE = f"""\
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{{_VL}}} 3.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{{{_VL}}} 0.4
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{{block_size="16",cache_dtype="auto",{_VL},gpu_memory_utilization="0.9",num_gpu_blocks="27000"}} 1.0
+""" + hist("vllm:kv_block_lifetime_seconds", _VL, VLLM_KV_RESIDENCY, [0.5] * 30 + [40.0] * 10) \
+    + hist("vllm:kv_block_reuse_gap_seconds", _VL, VLLM_KV_RESIDENCY, [3.0] * 20) \
+    + hist("vllm:request_decode_time_seconds", _VL, TRT_TTFT, [4.0] * 5)
+
+
+def test_vllm_capacity_from_cache_config_and_its_kv_residency_histograms(endpoint):
+    row, status = _scrape(endpoint, "/metrics", VLLM_EXTRAS_PAGE)
+    assert status["dialect"] == "vllm"
+    assert row[M.engine_kv_capacity_tokens] == 27000 * 16
+    life = row[M.kv_block_lifetime_seconds]
+    assert life["count"] == 40 and 0.2 < life["p50"] <= 0.5 and 30 < life["p90"] <= 60
+    assert row[M.kv_block_reuse_gap_seconds]["count"] == 20
+    assert row[M.request_decode_time_seconds]["count"] == 5
+    assert _name(M.kv_block_lifetime_seconds) not in status["missing_metrics"]
