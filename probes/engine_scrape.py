@@ -1,4 +1,8 @@
-"""The serving engine's view: its Prometheus endpoint, in vLLM's dialect, as engine frames.
+"""The serving engine's view: its Prometheus endpoint, in any engine's dialect, as engine frames.
+
+The page's dialect (vLLM, SGLang, trtllm-serve, Triton, NIM, llama.cpp, TGI) is recognised from
+its names and mapped onto the catalog's (:mod:`gpudiag.probes.engine_dialects`); what follows is
+said of vLLM's names, which every other dialect is rewritten into first.
 
 One GET of ``/metrics`` per tick, parsed with ``prometheus_client.parser``.
 Series are matched to the catalog by their exported name (``vllm:*`` for
@@ -355,5 +359,5 @@ def scrape_once(url: str, timeout_s: float = 2.0) -> list[dict[str, Any]]:
 
 
 def understood_names() -> list[str]:
-    """Every exported name this probe maps to the catalog, current and older vLLM spellings."""
-    return sorted(set(_expected()) | set(VLLM_ALIASES))
+    """Every exported name this probe maps to the catalog: vLLM's (current and older) and the other engines'."""
+    return sorted(set(_expected()) | set(VLLM_ALIASES) | set(engine_dialects.known_names()))
