@@ -76,8 +76,6 @@ class Dialect:
     lacks: dict[str, str] = field(default_factory=dict)  # vocabulary column -> why the engine has none
     # Derived columns: column -> (numerator series name, denominator or factor series name, op)
     derived: tuple[tuple[str, str, str, str], ...] = ()
-    # Labels that name an engine instance inside one endpoint (vLLM's ``engine``).
-    engine_label: str | None = None
     read_only: bool = False  # a dialect gpudiag reads but the reference engine does not speak
 
     def by_name(self) -> dict[str, list[Series]]:
@@ -137,7 +135,6 @@ VLLM = Dialect(
     ),
     {},
     derived=((M.engine_kv_capacity_tokens, "vllm:cache_config_info", "", "info_labels"),),
-    engine_label="engine",
 )
 
 # --- vLLM V0 names (renamed or dropped in V1) ----------------------------------------------------------
@@ -472,7 +469,7 @@ def _matches(series: Series, labels: dict[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in series.where)
 
 
-def _engine_labels(dialect: Dialect, labels: dict[str, str], drop: tuple[str, ...]) -> dict[str, str]:
+def _engine_labels(labels: dict[str, str], drop: tuple[str, ...]) -> dict[str, str]:
     out = {k: v for k, v in labels.items() if k not in drop}
     if "model" in out and "model_name" not in out:  # Triton's model label is the served model
         out["model_name"] = out.pop("model")
@@ -501,7 +498,7 @@ def to_catalog(families: list, dialect: Dialect) -> list:
             for s in family.samples:
                 if s.name.endswith("_created"):
                     continue
-                key = tuple(sorted(_engine_labels(dialect, dict(s.labels), drop).items()))
+                key = tuple(sorted(_engine_labels(dict(s.labels), drop).items()))
                 for sel in _selector_names(s.name, s.labels):
                     plain.setdefault(sel, {})[key] = s.value
         for series in candidates:
@@ -516,7 +513,7 @@ def to_catalog(families: list, dialect: Dialect) -> list:
             for s in family.samples:
                 if s.name.endswith("_created") or not _matches(series, s.labels):
                     continue
-                labels = _engine_labels(dialect, dict(s.labels), drop)
+                labels = _engine_labels(dict(s.labels), drop)
                 if metric.type == HISTOGRAM:
                     suffix = s.name[len(family.name):]
                     value = s.value * series.scale if suffix == "_sum" else s.value

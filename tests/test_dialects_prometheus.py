@@ -177,3 +177,19 @@ def test_sglangs_retraction_storm_is_the_eviction_storm(cli, engines):
     assert t0 + STORM[0] - 120 <= storm["start_s"] and storm["end_s"] <= t0 + STORM[1] + 120
     ev = {e["metric"]: e for e in storm["evidence"]}
     assert ev["kv_cache_usage_perc"]["observed"] == pytest.approx(0.99)
+
+
+def test_an_engine_without_a_preemption_counter_is_said_to_be_unjudged_not_guessed(engines):
+    """trtllm-serve at a 97 % full KV cache: no preemption counter, so the storm analyzer cannot run."""
+    from gpudiag.analyzers.registry import coverage
+    from gpudiag.frames import Window
+
+    url, t0 = engines
+    window = P.load_window(url, start=str(t0), end=str(t0 + SPAN_S - SAMPLE_S), node=NODE)
+    engine = window.table("engine")
+    trt = engine[engine["engine"] == TARGETS["trtllm"]].dropna(axis=1, how="all").reset_index(drop=True)
+    alone = Window({"engine": trt}, window.start_s, window.end_s, NODE, window.sources, [])
+    not_run = {n["analyzer"]: n for n in coverage(alone)["not_run"]}
+    storm = not_run["kv_eviction_storm"]
+    assert storm["reason"] == "missing_input"
+    assert M.num_preemptions_total in storm["detail"]
