@@ -33,7 +33,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpudiag.catalog import CATALOG, ENGINE_LABELS, HISTOGRAM, INFO, METRICS, PREFIX, Metric
+from gpudiag.catalog import CATALOG, ENGINE_LABELS, HISTOGRAM, INFO, METRICS, PREFIX, M, Metric
 from gpudiag.errors import GpudiagError
 from gpudiag.frames import Frame
 from gpudiag.probes import engine_dialects
@@ -143,6 +143,7 @@ class EngineScrapeProbe(Probe):
         self._ok = False
         self.dialect: str | None = None  # the engine dialect of the last page (engine_dialects.detect)
         self._own_page = False
+        self._slots_error = ""  # llama.cpp's /slots could not be read (its KV occupancy is then missing)
 
     def _fetch(self) -> str:
         request = urllib.request.Request(self.url, headers={"Accept": "text/plain;version=0.0.4"})
@@ -249,7 +250,33 @@ class EngineScrapeProbe(Probe):
                 self._put(rows, metric, labels, value, mark_seen=False)
         for name, _, _ in aliased:
             self._seen.add(name)
+        if self.dialect == "llamacpp":
+            self._llamacpp_slots(rows)
         return [Frame("engine", now, list(rows.values()))]
+
+    def _llamacpp_slots(self, rows: dict[str, dict[str, Any]]) -> None:
+        """llama.cpp builds without a KV gauge: its occupancy from GET /slots (next to /metrics)."""
+        import json
+
+        if not rows or all(M.kv_cache_usage_perc in row for row in rows.values()):
+            return
+        base = self.url[: -len("/metrics")] if self.url.endswith("/metrics") else self.url.rstrip("/")
+        request = urllib.request.Request(base + "/slots", headers={"Accept": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                got = engine_dialects.slots_kv_usage(json.loads(response.read(MAX_RESPONSE_BYTES)))
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            self._slots_error = f"{base}/slots: {getattr(exc, 'reason', exc)}"  # --slots off, or an API key
+            return
+        if got is None:
+            self._slots_error = f"{base}/slots: not llama.cpp's slot list"
+            return
+        self._slots_error = ""
+        held, capacity, usage = got
+        for row in rows.values():
+            row.setdefault(M.kv_cache_usage_perc, usage)
+            row.setdefault(M.engine_kv_capacity_tokens, capacity)
+            row.setdefault(M.engine_kv_used_tokens, held)
 
     def _row(self, rows: dict[str, dict[str, Any]], labels: dict[str, str]) -> dict[str, Any]:
         index = labels.get("engine", "")
@@ -346,7 +373,8 @@ class EngineScrapeProbe(Probe):
         return {"name": self.name, "available": self._ok, "reason": self._last_error, "url": self.url,
                 "dialect": self.dialect, "missing_fields": {},
                 "missing_metrics": sorted(set(missing)) if self._ok else [],
-                "lacks": lacks if self._ok else {}, "unknown_metrics": sorted(self._unknown)[:200]}
+                "lacks": lacks if self._ok else {}, "slots_error": self._slots_error,
+                "unknown_metrics": sorted(self._unknown)[:200]}
 
 
 def scrape_once(url: str, timeout_s: float = 2.0) -> list[dict[str, Any]]:

@@ -7,6 +7,7 @@ engine's own source (cited per page), the counts those of a busy replica.
 from __future__ import annotations
 
 import http.server
+import json
 import threading
 
 import pytest
@@ -296,6 +297,7 @@ def test_llamacpp_and_its_kv_occupancy_from_slots(endpoint):
     assert row[M.num_requests_running] == 2 and row[M.num_requests_waiting] == 5
     assert row[M.prompt_tokens_total] == 5120 and row[M.generation_tokens_total] == 2048
     assert _name(M.time_to_first_token_seconds) in status["lacks"]
+    assert M.kv_cache_usage_perc not in row and status["slots_error"]  # no /slots (started without --slots)
     # GET /slots of a 4-slot server, two busy (the shape of tools/server's slot JSON).
     slots = [{"id": 0, "n_ctx": 4096, "is_processing": True, "n_prompt_tokens_processed": 1000,
               "next_token": [{"n_decoded": 24}]},
@@ -304,6 +306,10 @@ def test_llamacpp_and_its_kv_occupancy_from_slots(endpoint):
              {"id": 2, "n_ctx": 4096, "is_processing": False, "n_prompt_tokens_processed": 900,
               "next_token": [{"n_decoded": 3}]},
              {"id": 3, "n_ctx": 4096, "is_processing": False}]
+    # The probe reads /slots next to /metrics when the page has no KV gauge.
+    endpoint.pages["/slots"] = json.dumps(slots)
+    row = EngineScrapeProbe(endpoint.base + "/metrics").sample(2.0)[0].rows[0]
+    assert row[M.kv_cache_usage_perc] == pytest.approx(0.25) and row[M.engine_kv_capacity_tokens] == 4 * 4096
     held, capacity, usage = engine_dialects.slots_kv_usage(slots)
     assert (held, capacity) == (4096.0, 4 * 4096.0) and usage == pytest.approx(0.25)
     assert engine_dialects.slots_kv_usage({"slots": [{"n_ctx": 10, "n_past": 5}]})[2] == pytest.approx(0.5)
@@ -361,7 +367,7 @@ vllm:num_requests_running{{{_VL}}} 3.0
 vllm:kv_cache_usage_perc{{{_VL}}} 0.4
 # HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
 # TYPE vllm:cache_config_info gauge
-vllm:cache_config_info{{block_size="16",cache_dtype="auto",{_VL},gpu_memory_utilization="0.9",num_gpu_blocks="27000"}} 1.0
+vllm:cache_config_info{{block_size="16",cache_dtype="auto",{_VL},gpu_memory_utilization="0.9",num_gpu_blocks="27000"}} 1
 """ + hist("vllm:kv_block_lifetime_seconds", _VL, VLLM_KV_RESIDENCY, [0.5] * 30 + [40.0] * 10) \
     + hist("vllm:kv_block_reuse_gap_seconds", _VL, VLLM_KV_RESIDENCY, [3.0] * 20) \
     + hist("vllm:request_decode_time_seconds", _VL, TRT_TTFT, [4.0] * 5)
