@@ -666,7 +666,8 @@ class Agent:
 
     def __init__(self, config: AgentConfig, *, sim: str | None = None, speed: float = 1.0, seed: int = 0,
                  probes: list[tuple[str, Probe, float]] | None = None, node: str | None = None,
-                 serve_metrics: bool = True, sim_pods: bool = False):
+                 serve_metrics: bool = True, sim_pods: bool = False,
+                 dialect: str | dict[str, str] | None = None):
         self.config = config
         self.sim, self.speed, self.seed = sim, speed, seed
         self.sim_pods = sim_pods  # the simulated processes run in Kubernetes pods (gpudiag.probes.kube.sim_pods)
@@ -682,8 +683,13 @@ class Agent:
         # A path that cannot be written at start is a mistake to report, not an outage to ride out.
         self.store = Store.open(config.store_path(), retention_s=config.get("store.retention_s"),
                                 max_bytes=config.get("store.max_bytes"), must_write=True)
-        self.latest = LatestFrames(self.node, export_engine_dialect=sim is not None)
-        self.registry = registry_for(self.latest)
+        self.latest = LatestFrames(self.node, export_engine_dialect=sim is not None or dialect is not None)
+        if dialect is None:
+            self.registry = registry_for(self.latest)
+        else:  # the engine's series in another engine's names (reference_engine.serving.dialect_metrics)
+            from gpudiag.reference_engine.serving.dialect_metrics import speaking_registry
+
+            self.registry = speaking_registry(self.latest, dialect)
         self.tracker = ThreeColourTracker()
         self.window = SlidingWindow(config.get("analyzers.window_s"))
         self.findings = FindingLog()

@@ -35,6 +35,8 @@ from . import external_metrics as ext
 
 M = catalog.M
 RULES_FILE = "alerts.yaml"
+# The recording rules the engine alerts read (dashboards/engine_rules.py writes them).
+ENGINE_RULES_FILE = "engine_rules.yaml"
 
 # --- golden-signal thresholds (SCENARIOS.md, "Other signals from the reports") ---
 # Saturated for 5 minutes: past this the circuit breaker sheds load; the alert asks to scale out first.
@@ -188,13 +190,18 @@ def golden_signal_alerts() -> list[Alert]:
     """The five golden signals of an infra-health board."""
     util = catalog.get(M.gpu_utilization_ratio).name
     temp = catalog.get(M.gpu_temperature_celsius).name
-    hits = catalog.get(M.prefix_cache_hits_total).name
-    queries = catalog.get(M.prefix_cache_queries_total).name
+    # The recorded names (engine_rules.yaml): every engine dialect's prefix-cache counters.
+    hits = catalog.normalised(M.prefix_cache_hits_total)
+    queries = catalog.normalised(M.prefix_cache_queries_total)
+    vllm_hits = catalog.get(M.prefix_cache_hits_total).name
+    vllm_queries = catalog.get(M.prefix_cache_queries_total).name
     gpu = {"node": "node-a", "gpu": "0", "uuid": "GPU-0"}
     gpu_b = {"node": "node-b", "gpu": "0", "uuid": "GPU-1"}
     eng = {"node": "node-a", "gpu": "0", "engine": "vllm"}
-    hit_ratio = (f"sum by (node, gpu) (rate({hits}[{RATE_WINDOW}])) / "
-                 f"sum by (node, gpu) (rate({queries}[{RATE_WINDOW}]))")
+    # An engine that names neither node nor GPU (SGLang, TensorRT-LLM...) is its scrape target.
+    hit_ratio = (f"sum by (node, gpu, instance) (rate({hits}[{RATE_WINDOW}])) / "
+                 f"sum by (node, gpu, instance) (rate({queries}[{RATE_WINDOW}]))")
+    sglang = {"instance": "serve-b:30000", "model_name": "qwen3-8b"}
     iowait = f'avg by (instance) (rate({ext.NODE_CPU_SECONDS_TOTAL}{{mode="iowait"}}[{RATE_WINDOW}]))'
     pending = f'sum by (namespace) ({ext.KUBE_POD_STATUS_PHASE}{{phase="Pending"}})'
     return [
@@ -210,11 +217,16 @@ def golden_signal_alerts() -> list[Alert]:
               "Prefix-cache hit ratio below 0.7 on {{ $labels.node }} GPU {{ $labels.gpu }}.",
               "Fewer prompt tokens than usual are found in the prefix cache, so more prefill is recomputed. "
               "Evictions, a restart that emptied the cache, or a change of the traffic mix.", "warning",
-              Case({_series(hits, **eng): "0+30x40", _series(queries, **eng): "0+100x40",
-                    _series(hits, **{**eng, "node": "node-b"}): "0+90x40",
-                    _series(queries, **{**eng, "node": "node-b"}): "0+100x40"},
-                   [{"node": "node-a", "gpu": "0"}], "25m", "8m"),
-              Case({_series(hits, **eng): "0+90x40", _series(queries, **eng): "0+100x40"})),
+              # vLLM on node-a and SGLang on serve-b fall below the bar; vLLM on node-b does not.
+              Case({_series(vllm_hits, **eng): "0+30x40", _series(vllm_queries, **eng): "0+100x40",
+                    _series(vllm_hits, **{**eng, "node": "node-b"}): "0+90x40",
+                    _series(vllm_queries, **{**eng, "node": "node-b"}): "0+100x40",
+                    _series("sglang:cached_tokens_total", **sglang): "0+40x40",
+                    _series("sglang:prompt_tokens_total", **sglang): "0+100x40"},
+                   [{"node": "node-a", "gpu": "0"}, {"instance": "serve-b:30000"}], "25m", "8m"),
+              Case({_series(vllm_hits, **eng): "0+90x40", _series(vllm_queries, **eng): "0+100x40",
+                    _series("sglang:cached_tokens_total", **sglang): "0+90x40",
+                    _series("sglang:prompt_tokens_total", **sglang): "0+100x40"})),
         Alert(f"{ALERT_PREFIX}GpuTemperatureHigh", f"max by (node, gpu) ({temp}) > {GPU_TEMPERATURE_HIGH_C:g}",
               GPU_TEMPERATURE_FOR,
               "GPU {{ $labels.gpu }} on {{ $labels.node }} is above 85 °C.",
@@ -284,7 +296,7 @@ def test_document(runbook_base_url: str = DEFAULT_RUNBOOK_BASE_URL) -> dict:
                       "input_series": [{"series": s, "values": v} for s, v in a.healthy.series.items()],
                       "alert_rule_test": [{"eval_time": t, "alertname": a.name, "exp_alerts": []}
                                           for t in ("5m", a.healthy.eval_time)]})
-    return {"rule_files": [RULES_FILE], "evaluation_interval": "1m", "tests": tests}
+    return {"rule_files": [RULES_FILE, ENGINE_RULES_FILE], "evaluation_interval": "1m", "tests": tests}
 
 
 # --- a small YAML emitter: mappings, sequences and double-quoted scalars ---

@@ -25,7 +25,7 @@ from gpudiag import catalog
 from gpudiag.analyzers.registry import ANALYZERS
 from gpudiag.findings import alert_name
 
-from . import alerts
+from . import alerts, engine_rules
 from . import external_metrics as ext
 from .alerts import DEFAULT_RUNBOOK_BASE_URL
 
@@ -537,6 +537,8 @@ def render_all(runbook_base_url: str = DEFAULT_RUNBOOK_BASE_URL) -> dict[str, st
     out = {f"{key}.json": dump_json(fn(runbook_base_url)) for key, fn in DASHBOARDS.items()}
     out["alerts.yaml"] = alerts.render_rules(runbook_base_url)
     out["alerts_test.yaml"] = alerts.render_tests(runbook_base_url)
+    out[engine_rules.RULES_FILE] = engine_rules.render_rules()
+    out[engine_rules.TESTS_FILE] = engine_rules.render_tests()
     return out
 
 

@@ -209,6 +209,16 @@ METRICS: tuple[Metric, ...] = (
     _m("request_prefill_time_seconds", HISTOGRAM, "seconds",
        "Time from a request's first scheduling to its first token (its prefill); TTFT is queue time plus this.",
        _E, "request", "vllm"),
+    _m("request_decode_time_seconds", HISTOGRAM, "seconds",
+       "Time from a request's first token to its last (its decode phase).", _E, "request", "vllm"),
+    # vLLM V1's sampled KV residency histograms (--kv-cache-metrics): how long a cached block lived,
+    # sat idle before it was evicted, and how long passed between two uses of it.
+    _m("kv_block_lifetime_seconds", HISTOGRAM, "seconds",
+       "KV cache block lifetime from allocation to eviction (sampled).", _E, "request", "vllm"),
+    _m("kv_block_idle_before_evict_seconds", HISTOGRAM, "seconds",
+       "Idle time of a KV cache block before its eviction (sampled).", _E, "request", "vllm"),
+    _m("kv_block_reuse_gap_seconds", HISTOGRAM, "seconds",
+       "Time between consecutive uses of a KV cache block (sampled).", _E, "request", "vllm"),
     # --- Requests by context length, gpudiag's own (vLLM's histograms carry no such label) ---
     _m("request_time_to_first_token_seconds", HISTOGRAM, "seconds",
        "Time to first token by context_bucket (prompt + output tokens of the request).",
@@ -227,6 +237,9 @@ METRICS: tuple[Metric, ...] = (
     _m("engine_kv_failed_request_bytes", GAUGE, "bytes",
        "Largest KV allocation that failed in the last interval (0 when none failed).", _E, "engine"),
     _m("engine_kv_capacity_bytes", GAUGE, "bytes", "KV capacity the engine can use.", _E, "engine"),
+    _m("engine_kv_capacity_tokens", GAUGE, "",
+       "Tokens the engine's KV pool holds at most (blocks times tokens per block).", _E, "engine"),
+    _m("engine_kv_used_tokens", GAUGE, "", "Tokens held in the engine's KV pool.", _E, "engine"),
     _m("engine_kv_capacity_nominal_bytes", GAUGE, "bytes",
        "KV capacity the engine would have on the device alone (no other process holding memory).", _E, "engine"),
     _m("engine_kv_used_bytes", GAUGE, "bytes", "KV bytes holding tokens.", _E, "engine"),
@@ -361,6 +374,17 @@ BY_CONTEXT: dict[str, str] = {
     M.inter_token_latency_seconds: M.request_inter_token_latency_seconds,
     M.e2e_request_latency_seconds: M.request_e2e_latency_seconds,
 }
+
+
+# Recording rules (dashboards/engine_rules.py) normalise every serving engine's dialect into these
+# names: the prefix, then the catalog column (``gpudiag:num_requests_waiting``), with a ``dialect``
+# label naming the engine's. Alerts and dashboards that read them serve vLLM, SGLang... alike.
+NORMALISED_PREFIX = "gpudiag:"
+
+
+def normalised(column: str) -> str:
+    """The recorded name of an engine-vocabulary column (``gpudiag:<column>``)."""
+    return NORMALISED_PREFIX + get(column).column
 
 
 def get(column: str) -> Metric:

@@ -525,6 +525,9 @@ def encode_text(registry) -> bytes:
     """
     if type(registry) is FramesRegistry:
         return samples_text(catalog_samples(registry.frames.latest.snapshot()))
+    own_text = getattr(registry, "text_exposition", None)
+    if own_text is not None:  # a registry that writes its page itself (an engine dialect's names)
+        return own_text()
     out: list[str] = []
     label_text: dict[tuple, str] = {}  # rows share label sets across their metrics: format each once
     for family in registry.collect():

@@ -6,7 +6,7 @@ instead of the agent's store, and hands the analyzers a
 :class:`~gpudiag.frames.Window` of the same shape: one row per entity (GPU,
 process, engine, node, CUDA API) per step, columns named after the catalog.
 
-Three dialects are understood:
+Four kinds of exporters are understood:
 
 * gpudiag's agent: every catalog metric by its exported name (labels beyond
   the entity's, such as ``reason`` or ``xid``, become the nested dicts the
@@ -17,6 +17,11 @@ Three dialects are understood:
   ``_bucket`` increase over the step, the quantiles computed as PromQL's
   ``histogram_quantile`` does), the form the analyzers read from a scraped
   engine;
+* the other serving engines (SGLang, trtllm-serve, Triton with the TensorRT-LLM backend,
+  NIM, llama.cpp, TGI): their names as :mod:`gpudiag.probes.engine_dialects` maps them
+  (a label condition such as Triton's ``request_type="waiting"``, a unit factor such as
+  Triton's milliseconds); an engine's series that name neither a GPU nor an engine are
+  one engine per scrape target (``instance``);
 * NVIDIA's dcgm-exporter: the ``DCGM_FI_*`` fields in :data:`FOREIGN`, the
   one table that maps foreign names to catalog columns, with the factor to
   SI units (percent -> ratio, MiB -> bytes, MHz -> hertz).
@@ -196,7 +201,28 @@ def families() -> tuple[Family, ...]:
                (CATALOG[M.num_requests_running].name, CATALOG[M.kv_cache_usage_perc].name)),
         Family("dcgm-exporter", tuple(sorted({f.name for f in FOREIGN})), ('Hostname="{node}"', 'node="{node}"'),
                ("DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_GPU_UTIL")),
+        *_engine_families(),
     )
+
+
+def _engine_families() -> tuple[Family, ...]:
+    """One family per other serving engine's dialect (SGLang, TensorRT-LLM, Triton, NIM, llama.cpp, TGI)."""
+    from gpudiag.probes.engine_dialects import prom_series
+
+    by_dialect: dict[str, list[str]] = {}
+    for ps in prom_series():
+        if ps.type != HISTOGRAM:
+            names = by_dialect.setdefault(ps.dialect, [])
+            if ps.name not in names:
+                names.append(ps.name)
+    return tuple(Family(d, tuple(names), _VLLM_NODE_MATCHERS, tuple(names[:2])) for d, names in by_dialect.items())
+
+
+def engine_histograms() -> list[tuple[str, str, float]]:
+    """(catalog column, exported name, factor to seconds) of the other engines' latency histograms."""
+    from gpudiag.probes.engine_dialects import prom_series
+
+    return [(ps.column, ps.name, ps.scale) for ps in prom_series() if ps.type == HISTOGRAM]
 
 
 # vLLM's series name their node by the scrape target, unless relabelling added a node label.
@@ -523,6 +549,9 @@ class _Mapping:
     sum: bool = False
     extra: tuple[str, ...] = ()  # labels beyond the entity's, nested in that order
     priority: int = 0
+    where: tuple[tuple[str, str], ...] = ()  # only the samples with these labels (Triton's request_type)
+    # Another engine's series name no GPU or engine: the scrape target is the engine.
+    instance_engine: bool = False
 
 
 def mappings(more_foreign: Iterable[Foreign] = ()) -> dict[str, list[_Mapping]]:
@@ -544,6 +573,12 @@ def mappings(more_foreign: Iterable[Foreign] = ()) -> dict[str, list[_Mapping]]:
     for f in (*FOREIGN, *more_foreign):
         entity = CATALOG[f.column].entity
         out.setdefault(f.name, []).append(_Mapping(entity, f.column, f.scale, f.path, f.decode, f.sum, priority=2))
+    from gpudiag.probes.engine_dialects import prom_series
+
+    for ps in prom_series():
+        if ps.type != HISTOGRAM:
+            out.setdefault(ps.name, []).append(_Mapping("engine", ps.column, ps.scale, priority=1, where=ps.where,
+                                                        instance_engine=True))
     return out
 
 
@@ -575,7 +610,9 @@ def _fill_steps(frames: _Frames, labels: dict[str, Any], k: np.ndarray, v: np.nd
     if k.size == 0:
         return
     for mp in maps:
-        ent = frames.entity(mp.kind, labels)
+        if mp.where and any(labels.get(k) != v for k, v in mp.where):
+            continue
+        ent = frames.entity(mp.kind, _engine_of_target(labels) if mp.instance_engine else labels)
         vals = v * mp.scale if mp.scale != 1.0 else v
         if mp.decode == "clock_event_bits":
             frames.put_whole(ent, mp.column, k, _decode_clock_event_bits(vals))
@@ -588,6 +625,13 @@ def _fill_steps(frames: _Frames, labels: dict[str, Any], k: np.ndarray, v: np.nd
             frames.add(ent, mp.column, k, vals)
         else:
             frames.put(ent, mp.column, k, vals)
+
+
+def _engine_of_target(labels: dict[str, Any]) -> dict[str, Any]:
+    """Labels of an engine's series that name neither a GPU nor an engine: the scrape target names it."""
+    if labels.get("engine") is not None or labels.get("gpu") is not None or not labels.get("instance"):
+        return labels
+    return {**labels, "engine": labels["instance"]}
 
 
 def tables_from_series(series: Iterable[tuple[dict[str, str], np.ndarray, np.ndarray]], plan_: Plan, *,
@@ -673,8 +717,10 @@ def _histogram_query(bucket_name: str, node: str | None, range_s: float) -> str:
                        for sel in _selectors([bucket_name], _VLLM_NODE_MATCHERS, node))
 
 
-def _put_histograms(frames: _Frames, column: str, result: list[dict[str, Any]], plan_: Plan) -> None:
-    """Interval summaries per engine and step from the ``le`` series of one histogram's increase."""
+def _put_histograms(frames: _Frames, column: str, result: list[dict[str, Any]], plan_: Plan,
+                    scale: float = 1.0) -> None:
+    """Interval summaries per engine and step from the ``le`` series of one histogram's increase
+    (``scale``: the factor from the histogram's unit to seconds, applied to its bounds)."""
     from gpudiag.probes.engine_scrape import summarise_histogram
 
     groups: dict[tuple, list[tuple[float, np.ndarray, np.ndarray]]] = {}
@@ -687,14 +733,14 @@ def _put_histograms(frames: _Frames, column: str, result: list[dict[str, Any]], 
         ident = tuple(sorted(metric.items()))
         labels_of[ident] = metric
         k, v = _values(s, plan_)
-        groups.setdefault(ident, []).append((float(le), k, v))
+        groups.setdefault(ident, []).append((float(le) * scale, k, v))
     for ident, bounds in groups.items():
         bounds.sort(key=lambda b: b[0])
         grid = np.full((len(bounds), plan_.n_steps), np.nan)
         for i, (_, k, v) in enumerate(bounds):
             grid[i, k] = v
         steps = np.flatnonzero(~np.isnan(grid).all(axis=0))
-        ent = frames.entity("engine", _labels(labels_of[ident]))
+        ent = frames.entity("engine", _engine_of_target(_labels(labels_of[ident])))
         les = [b[0] for b in bounds]
         per_step = ent.nested.setdefault(column, {})
         for ki in steps.tolist():
@@ -759,10 +805,13 @@ def load_window(url: str, *, since: str | None = None, start: str | None = None,
     for column, candidates in histograms():
         name = next((c for c in candidates if c + "_bucket" in present), None)
         if name is not None:
-            hists.append((column, name))
+            hists.append((column, name, 1.0))
+    # Every other engine's histogram that is there: a mixed fleet has several for one column.
+    hists += [(column, name, scale) for column, name, scale in engine_histograms() if name + "_bucket" in present]
     if not fams and not hists:
-        raise GpudiagError(f"no gpudiag, dcgm-exporter or vLLM series in Prometheus at {api.url} between "
-                           f"{_iso(lo)} and {_iso(hi)}: is it scraping the agent (or dcgm-exporter, vLLM)?")
+        raise GpudiagError(f"no gpudiag, dcgm-exporter or vLLM series, nor another serving engine's, in Prometheus "
+                           f"at {api.url} between {_iso(lo)} and {_iso(hi)}: is it scraping the agent (or "
+                           f"dcgm-exporter, an engine)?")
     step_s = parse_duration(step) if step is not None else None
     # How often each exporter is scraped, from its samples (the agent at 1 s, vLLM at 15 s, ...):
     # the step follows the most frequent one, a histogram's increase spans a few of its own.
@@ -771,8 +820,8 @@ def load_window(url: str, *, since: str | None = None, start: str | None = None,
     for f, names in fams:
         probe = next((n for n in f.pace if n in names), names[0])
         paces[f.name] = api.sample_interval_s(_selectors([probe], f.node_matchers, node), at)
-    for column, name in hists:
-        paces[column] = api.sample_interval_s(_selectors([name + "_count"], _VLLM_NODE_MATCHERS, node), at)
+    for _, name, _ in hists:
+        paces[name] = api.sample_interval_s(_selectors([name + "_count"], _VLLM_NODE_MATCHERS, node), at)
     known = [v for v in paces.values() if v]
     p = plan(lo, hi, step_s=step_s, scrape_interval_s=min(known) if known else None)
     frames = _Frames(p.n_steps)
@@ -785,9 +834,9 @@ def load_window(url: str, *, since: str | None = None, start: str | None = None,
     for a, b in p.chunks:
         t0, t1 = lo + a * p.step_s, lo + b * p.step_s
         queries = [(f.name, " or ".join(_selectors(names, f.node_matchers, node)), None) for f, names in fams]
-        queries += [(column, _histogram_query(name + "_bucket", node, HISTOGRAM_RANGE_STEPS
-                                              * max(p.step_s, paces[column] or 0.0)), column)
-                    for column, name in hists]
+        queries += [(name, _histogram_query(name + "_bucket", node, HISTOGRAM_RANGE_STEPS
+                                            * max(p.step_s, paces[name] or 0.0)), (column, scale))
+                    for column, name, scale in hists]
         for what, expr, hist_column in queries:
             if progress is not None:
                 progress(f"Prometheus: {what}", done, total)
@@ -800,7 +849,7 @@ def load_window(url: str, *, since: str | None = None, start: str | None = None,
             gaps.extend(f"prometheus warning ({what}): {w}" for w in api.warnings)
             done += 1
             if hist_column is not None:
-                _put_histograms(frames, hist_column, result, p)
+                _put_histograms(frames, hist_column[0], result, p, hist_column[1])
                 continue
             for s in result:
                 name = s.get("metric", {}).get("__name__")

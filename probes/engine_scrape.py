@@ -1,4 +1,8 @@
-"""The serving engine's view: its Prometheus endpoint, in vLLM's dialect, as engine frames.
+"""The serving engine's view: its Prometheus endpoint, in any engine's dialect, as engine frames.
+
+The page's dialect (vLLM, SGLang, trtllm-serve, Triton, NIM, llama.cpp, TGI) is recognised from
+its names and mapped onto the catalog's (:mod:`gpudiag.probes.engine_dialects`); what follows is
+said of vLLM's names, which every other dialect is rewritten into first.
 
 One GET of ``/metrics`` per tick, parsed with ``prometheus_client.parser``.
 Series are matched to the catalog by their exported name (``vllm:*`` for
@@ -29,9 +33,10 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpudiag.catalog import ENGINE_LABELS, HISTOGRAM, INFO, METRICS, Metric
+from gpudiag.catalog import CATALOG, ENGINE_LABELS, HISTOGRAM, INFO, METRICS, PREFIX, M, Metric
 from gpudiag.errors import GpudiagError
 from gpudiag.frames import Frame
+from gpudiag.probes import engine_dialects
 from gpudiag.probes.base import Probe, ProbeError
 
 # Older vLLM names for catalog metrics; used only when the current name is absent.
@@ -67,7 +72,7 @@ def _family_name(sample_name: str) -> str:
 
 
 def _known_names() -> frozenset[str]:
-    names = set(_expected()) | set(VLLM_ALIASES)
+    names = set(_expected()) | set(VLLM_ALIASES) | set(engine_dialects.known_names())
     return frozenset(names | {_family_name(n) for n in names})
 
 
@@ -136,6 +141,9 @@ class EngineScrapeProbe(Probe):
         self._seen: set[str] = set()
         self._last_error = ""
         self._ok = False
+        self.dialect: str | None = None  # the engine dialect of the last page (engine_dialects.detect)
+        self._own_page = False
+        self._slots_error = ""  # llama.cpp's /slots could not be read (its KV occupancy is then missing)
 
     def _fetch(self) -> str:
         request = urllib.request.Request(self.url, headers={"Accept": "text/plain;version=0.0.4"})
@@ -198,6 +206,16 @@ class EngineScrapeProbe(Probe):
             self._last_error = f"{self.url} did not answer Prometheus text: {type(exc).__name__}: {exc}"
             raise ProbeError(self._last_error) from None
         self._ok, self._last_error = True, ""
+        # The reference engine writes gpudiag's own engine series beside the dialect's.
+        self._own_page = any(f.name.startswith("gpudiag_engine_") for f in families)
+        self.dialect = engine_dialects.detect(s.name for f in families for s in f.samples) or self.dialect
+        if self.dialect is not None and self.dialect not in ("vllm", "vllm-v0"):
+            # The engine's series in the catalog's names; gpudiag's own (the reference engine's) as they are.
+            own = [f for f in families if f.name.startswith(PREFIX)]
+            families = engine_dialects.to_catalog(families, engine_dialects.get(self.dialect)) + own
+        elif self.dialect == "vllm":
+            families += engine_dialects.to_catalog(
+                [f for f in families if f.name == "vllm:cache_config_info"], engine_dialects.VLLM)
         rows: dict[str, dict[str, Any]] = {}
         aliased: list[tuple[str, dict[str, Any], Any]] = []
         self._seen = set()
@@ -232,7 +250,33 @@ class EngineScrapeProbe(Probe):
                 self._put(rows, metric, labels, value, mark_seen=False)
         for name, _, _ in aliased:
             self._seen.add(name)
+        if self.dialect == "llamacpp":
+            self._llamacpp_slots(rows)
         return [Frame("engine", now, list(rows.values()))]
+
+    def _llamacpp_slots(self, rows: dict[str, dict[str, Any]]) -> None:
+        """llama.cpp builds without a KV gauge: its occupancy from GET /slots (next to /metrics)."""
+        import json
+
+        if not rows or all(M.kv_cache_usage_perc in row for row in rows.values()):
+            return
+        base = self.url[: -len("/metrics")] if self.url.endswith("/metrics") else self.url.rstrip("/")
+        request = urllib.request.Request(base + "/slots", headers={"Accept": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                got = engine_dialects.slots_kv_usage(json.loads(response.read(MAX_RESPONSE_BYTES)))
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            self._slots_error = f"{base}/slots: {getattr(exc, 'reason', exc)}"  # --slots off, or an API key
+            return
+        if got is None:
+            self._slots_error = f"{base}/slots: not llama.cpp's slot list"
+            return
+        self._slots_error = ""
+        held, capacity, usage = got
+        for row in rows.values():
+            row.setdefault(M.kv_cache_usage_perc, usage)
+            row.setdefault(M.engine_kv_capacity_tokens, capacity)
+            row.setdefault(M.engine_kv_used_tokens, held)
 
     def _row(self, rows: dict[str, dict[str, Any]], labels: dict[str, str]) -> dict[str, Any]:
         index = labels.get("engine", "")
@@ -315,12 +359,21 @@ class EngineScrapeProbe(Probe):
 
     def status(self) -> dict[str, Any]:
         """Scrape health, metrics the endpoint has that are not in the catalog, and catalog metrics it lacks."""
-        missing = sorted(n for n, m in self._expected.items() if n not in self._seen and m.dialect == "vllm")
-        gpudiag_seen = any(self._expected[n].dialect == "gpudiag" for n in self._seen if n in self._expected)
-        if gpudiag_seen:  # the reference engine: its own metrics are expected too
+        lacks: dict[str, str] = {}
+        if self.dialect not in (None, "vllm", "vllm-v0"):
+            # Another engine: the vocabulary is what is expected, and what it cannot export is said with why.
+            dialect = engine_dialects.get(self.dialect)
+            lacks = {CATALOG[c].name: why for c, why in engine_dialects.missing(dialect).items()}
+            missing = sorted(CATALOG[c].name for c in engine_dialects.VOCABULARY
+                             if CATALOG[c].name not in self._seen and CATALOG[c].name not in lacks)
+        else:
+            missing = sorted(n for n, m in self._expected.items() if n not in self._seen and m.dialect == "vllm")
+        if self._own_page:  # the reference engine: its own metrics are expected too
             missing += sorted(n for n, m in self._expected.items() if n not in self._seen and m.dialect == "gpudiag")
         return {"name": self.name, "available": self._ok, "reason": self._last_error, "url": self.url,
-                "missing_fields": {}, "missing_metrics": missing if self._ok else [],
+                "dialect": self.dialect, "missing_fields": {},
+                "missing_metrics": sorted(set(missing)) if self._ok else [],
+                "lacks": lacks if self._ok else {}, "slots_error": self._slots_error,
                 "unknown_metrics": sorted(self._unknown)[:200]}
 
 
@@ -334,5 +387,5 @@ def scrape_once(url: str, timeout_s: float = 2.0) -> list[dict[str, Any]]:
 
 
 def understood_names() -> list[str]:
-    """Every exported name this probe maps to the catalog, current and older vLLM spellings."""
-    return sorted(set(_expected()) | set(VLLM_ALIASES))
+    """Every exported name this probe maps to the catalog: vLLM's (current and older) and the other engines'."""
+    return sorted(set(_expected()) | set(VLLM_ALIASES) | set(engine_dialects.known_names()))

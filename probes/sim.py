@@ -42,7 +42,7 @@ class SimProbe(Probe):
     interval_s = 1.0
 
     def __init__(self, scenario: str, *, speed: float = 1.0, seed: int = 0, fix: str | None = None,
-                 timeline: bool = False, hold_after_s: float | None = None):
+                 timeline: bool = False, hold_after_s: float | None = None, gpu_index: int = 0):
         sc = scenarios.get(scenario)
         cfg, workload = sc.build(fix)
         if speed <= 0:
@@ -60,7 +60,8 @@ class SimProbe(Probe):
         self._horizon_s: float | None = hold_after_s  # see hold_after; set before the engine's first step
         self._horizon_moved = threading.Condition(self._lock)
         self.sim_time_s = 0.0
-        self.engine = SimEngine(cfg, workload, seed=seed, clock=VirtualClock(speed, sleep=self._sleep))
+        self.engine = SimEngine(cfg, workload, seed=seed, clock=VirtualClock(speed, sleep=self._sleep),
+                                gpu_index=gpu_index)
         self._thread = threading.Thread(target=self._run, name=f"gpudiag-sim-{sc.name}", daemon=True)
         self._thread.start()
 

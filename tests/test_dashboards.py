@@ -14,7 +14,7 @@ import yaml
 
 from gpudiag import catalog
 from gpudiag.analyzers.registry import ANALYZERS
-from gpudiag.dashboards import alerts, generate
+from gpudiag.dashboards import alerts, engine_rules, generate
 from gpudiag.dashboards.external_metrics import EXTERNAL_METRICS
 from gpudiag.findings import alert_name
 
@@ -127,6 +127,7 @@ def test_the_expression_checker_catches_a_foreign_name():
 
 def test_every_metric_in_every_expression_is_known():
     known = set(catalog.BY_NAME) | set(EXTERNAL_METRICS)
+    known |= {r["record"] for r in engine_rules.recording_rules()}  # the engine dialects, normalised
     exprs = list(panel_exprs()) + [("alerts.yaml", a.name, a.expr) for a in alerts.all_alerts()]
     for fname, title, expr in exprs:
         unknown = metric_names(expr) - known

@@ -38,7 +38,7 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def run(config_path: str | None, overrides: dict, *, sim: str | None, speed: float, seed: int,
-        verbose: bool = False, sim_pods: bool = False) -> int:
+        verbose: bool = False, sim_pods: bool = False, dialect: str | None = None) -> int:
     """Run the agent until SIGTERM/SIGINT; returns the exit code."""
     from gpudiag.agent.config import load
     from gpudiag.agent.daemon import Agent
@@ -50,9 +50,14 @@ def run(config_path: str | None, overrides: dict, *, sim: str | None, speed: flo
         raise GpudiagError("--speed applies to --sim only")
     if sim is None and sim_pods:
         raise GpudiagError("--sim-pods applies to --sim only")
+    if sim is None and dialect is not None:
+        raise GpudiagError("--dialect applies to --sim only (the simulated engine's /metrics)")
+    from gpudiag.reference_engine.serving.dialect_metrics import parse_spec
+
+    spec = parse_spec(dialect)
     config = load(config_path).with_overrides(overrides)
     # Opens the store: a second agent stops here.
-    agent = Agent(config, sim=sim, speed=speed, seed=seed, sim_pods=sim_pods)
+    agent = Agent(config, sim=sim, speed=speed, seed=seed, sim_pods=sim_pods, dialect=spec)
     stop, hup = threading.Event(), threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda *_: hup.set())
@@ -122,10 +127,15 @@ def register(app: typer.Typer) -> None:
         sim_pods: bool = typer.Option(False, "--sim-pods", help="With --sim: run the simulated processes in "
                                                                  "Kubernetes pods (pod labels as on a node)."),
         node: Optional[str] = typer.Option(None, "--node", help="The node label (default: the host name)."),
+        dialect: Optional[str] = typer.Option(None, "--dialect",
+                                              help="With --sim: the engine's series as another engine names "
+                                                   "them (sglang, trtllm, triton, nim, llamacpp, vllm-v0), or "
+                                                   "GPU=NAME,... per GPU."),
         verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
     ):
         """Run the per-node agent: probes, timeline store, /metrics, OTLP and streaming findings."""
         overrides = {"exporter.listen": listen, "store.path": store, "otlp.endpoint": otlp_endpoint,
                      "agent.node": node}
-        code = run(config, overrides, sim=sim, speed=speed, seed=seed, verbose=verbose, sim_pods=sim_pods)
+        code = run(config, overrides, sim=sim, speed=speed, seed=seed, verbose=verbose, sim_pods=sim_pods,
+                   dialect=dialect)
         raise typer.Exit(code)

@@ -37,6 +37,11 @@ def export(out: Path, runbook_base_url: str) -> dict[str, list[str]]:
         rules = out / alerts.RULES_FILE
         rules.write_text(alerts.render_rules(runbook_base_url), encoding="utf-8")
         written["rules"].append(str(rules))
+        from gpudiag.dashboards import engine_rules
+
+        recorded = out / engine_rules.RULES_FILE  # the alerts on engine series read these recorded names
+        recorded.write_text(engine_rules.render_rules(), encoding="utf-8")
+        written["rules"].append(str(recorded))
         for name, text in runbooks().items():
             path = out / "runbooks" / f"{name}.md"
             path.write_text(text, encoding="utf-8")

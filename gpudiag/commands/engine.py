@@ -85,9 +85,15 @@ def register(app: typer.Typer) -> None:
         gpu: str = typer.Option("A100-80GB", "--gpu", help="sim: the simulated GPU."),
         sim_speed: float = typer.Option(1.0, "--sim-speed", help="sim: simulated seconds per wall second."),
         node: Optional[str] = typer.Option(None, "--node", help="The node label (default: the host name)."),
+        dialect: Optional[str] = typer.Option(None, "--dialect",
+                                              help="/metrics as another engine names it: vllm (default), "
+                                                   "vllm-v0, sglang, trtllm, triton, nim, llamacpp."),
         verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
     ):
         """Serve the reference engine: POST /generate, GET /metrics (vLLM dialect), GET /health."""
+        from gpudiag.reference_engine.serving.dialect_metrics import parse_spec
+
+        parse_spec(dialect)  # a bad name is refused before anything starts
         from gpudiag.reference_engine.core.kv_manager import KVConfig
         from gpudiag.reference_engine.core.scheduler import SchedulerConfig
         from gpudiag.reference_engine.model.llm_engine import LLMEngineConfig
@@ -115,7 +121,8 @@ def register(app: typer.Typer) -> None:
         admission = AdmissionConfig(rate_per_s=rate, burst=burst if burst is not None else max(1.0, rate or 1.0),
                                     max_queue=max_queue)
         cfg = ServerConfig(host=host, port=port, engine=engine, admission=admission, drain_timeout_s=drain_timeout,
-                           otlp_endpoint=otlp_endpoint, runtime_dir=runtime_dir, node=node or socket.gethostname())
+                           otlp_endpoint=otlp_endpoint, runtime_dir=runtime_dir, node=node or socket.gethostname(),
+                           dialect=dialect)
         raise typer.Exit(serve(cfg, verbose=verbose))
 
     app.add_typer(sub, name="engine")

@@ -36,7 +36,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from gpudiag.catalog import M
 from gpudiag.errors import GpudiagError
-from gpudiag.exposition import LatestFrames, encode_text, log_request_failure, registry_for
+from gpudiag.exposition import LatestFrames, encode_text, log_request_failure
 from gpudiag.frames import Frame
 from gpudiag.reference_engine.core.sequence import TIERS, Status
 from gpudiag.reference_engine.model.llm_engine import ENGINE_NAME, LLMEngine, LLMEngineConfig
@@ -79,6 +79,7 @@ class ServerConfig:
     runtime_dir: str | None = None  # the reporter's directory (default: the torch reporter's)
     reporter_interval_s: float = 1.0
     node: str = "localhost"
+    dialect: str | None = None  # /metrics in another engine's names (reference_engine.serving.dialect_metrics)
 
     def validate(self) -> None:
         """Raise GpudiagError on settings no server could run with."""
@@ -180,7 +181,9 @@ class EngineServer:
         self.admission = AdmissionController(cfg.admission, now=clock(), state=ServingState.WARMING)
         self.engine: LLMEngine | None = None
         self.latest = LatestFrames(cfg.node, export_engine_dialect=True)
-        self.registry = registry_for(self.latest)
+        from gpudiag.reference_engine.serving.dialect_metrics import parse_spec, speaking_registry
+
+        self.registry = speaking_registry(self.latest, parse_spec(cfg.dialect))
         self.tracer = None
         self.reporter = None
         self.model_info: dict = {}
