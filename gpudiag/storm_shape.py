@@ -111,7 +111,7 @@ def measure_fixed(paged: repro.RunResult) -> dict[str, Any]:
     """The fix's quantities of one seed's paged-kv run: its evictions and TPOT P999 against its calm P99."""
     doc = repro.document(paged)
     before = next(p for p in doc["phases"] if p["name"] == "before")
-    return {"paged_evictions": doc["totals"]["evictions"],
+    return {"paged_evictions": doc["totals"]["evictions"], "paged_alloc_failures": doc["totals"]["alloc_failures"],
             "paged_tpot_p999_ratio": _ratio(doc["slo"]["tpot_p999_s"], before["slo"]["tpot_p99_s"])}
 
 
