@@ -43,10 +43,10 @@ COLUMNS = [  # (key, header, format)
     ("tpot_p99_ratio", "TPOT99 x", "{:>8.2f}"),
     ("long_tpot_p99_ratio", "long99 x", "{:>8.2f}"),
     ("long_requests", "long n", "{:>6d}"),
-    ("util_mean_before", "util bef", "{:>8.2f}"),
-    ("util_mean_during", "util dur", "{:>8.2f}"),
+    ("util_mean_before", "util bef", "{:>8.3f}"),
+    ("util_mean_during", "util dur", "{:>8.3f}"),
     ("util_min_during", "util min", "{:>8.2f}"),
-    ("util_max_during", "util max", "{:>8.2f}"),
+    ("util_max_during", "util max", "{:>8.3f}"),
     ("evictions_during", "evict", "{:>6d}"),
     ("paged_tpot_p999_ratio", "paged999 x", "{:>10.2f}"),
 ]
