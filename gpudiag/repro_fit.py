@@ -193,16 +193,27 @@ def resolve_model(name: str) -> str:
                          f"{', '.join(list(MODEL_ALIASES) + list(MODELS))})")
 
 
-def group_gpu(key: str, tp: int) -> str:
-    """A tensor-parallel group of ``tp`` GPUs as one device of the roofline: memory, bandwidth and FLOP/s
-    add up (the all-reduce between them is not charged). Registered as ``KEYxTP``."""
-    if tp == 1:
+# Dense FP4 tensor-core FLOP/s of the GPUs that have FP4 tensor cores: a model with FP4 weights runs its
+# GEMMs there. B200: HGX B200 datasheet, FP4 tensor 144 PFLOPS for eight GPUs with sparsity, 9 dense each.
+FP4_TENSOR_FLOPS = {"B200": 9.0e15}
+
+
+def group_gpu(key: str, tp: int, model_key: str = "") -> str:
+    """The device the roofline charges: a tensor-parallel group of ``tp`` GPUs as one device (memory,
+    bandwidth and FLOP/s add up; the all-reduce between them is not charged), its GEMMs at the FP4
+    tensor-core rate for a model with FP4 weights. Registered as ``KEY[-fp4][xTP]``."""
+    fp4 = model_key.endswith("-fp4")
+    if fp4 and key not in FP4_TENSOR_FLOPS:
+        raise NotDescribable(f"{model_key} has FP4 weights, and {gpu_specs.SPECS[key].name} has no FP4 tensor "
+                             f"cores the simulator knows of")
+    if tp == 1 and not fp4:
         return key
-    name = f"{key}x{tp}"
+    name = key + ("-fp4" if fp4 else "") + (f"x{tp}" if tp > 1 else "")
     s = gpu_specs.SPECS[key]
+    flops = FP4_TENSOR_FLOPS[key] if fp4 else s.peak_bf16_flops
     gpu_specs.SPECS.setdefault(name, replace(
-        s, name=f"{tp}x {s.name} (TP{tp})", memory_bytes=s.memory_bytes * tp,
-        hbm_bandwidth_bytes_per_s=s.hbm_bandwidth_bytes_per_s * tp, peak_bf16_flops=s.peak_bf16_flops * tp,
+        s, name=f"{tp}x {s.name} (TP{tp})" if tp > 1 else s.name, memory_bytes=s.memory_bytes * tp,
+        hbm_bandwidth_bytes_per_s=s.hbm_bandwidth_bytes_per_s * tp, peak_bf16_flops=flops * tp,
         power_limit_w=s.power_limit_w * tp, idle_power_w=s.idle_power_w * tp))
     return name
 
@@ -325,6 +336,7 @@ class Fitted:
     arrivals_from: str
     max_model_len: int
     activation_bytes: int
+    speed_factor: float  # the engine's GPU work takes this many times the roofline's figure
     observed: dict[str, Any]
     notes: list[str] = field(default_factory=list)
 
@@ -355,7 +367,7 @@ def fit(window: Window, *, gpu: str | None = None, model: str | None = None, ser
     if knobs.kv_offload:
         notes.append("KV offload is on in the window: the simulator has no CPU KV tier, the twin recomputes "
                      "what offload would load back")
-    group = group_gpu(gpu_key, knobs.tensor_parallel_size)
+    group = group_gpu(gpu_key, knobs.tensor_parallel_size, model_key)
     duration = float(window.end_s - window.start_s)
     if not duration > 0 or obs.t.size < 2:
         raise NotDescribable("the window holds fewer than two engine samples: nothing to fit")
@@ -372,10 +384,15 @@ def fit(window: Window, *, gpu: str | None = None, model: str | None = None, ser
             raise NotDescribable("the window has no finished-requests counter (vllm:request_success): "
                                  "arrivals cannot be told from completions")
         bins, initial = _from_counters(obs, duration)
-        sp = so = ASSUMED_SIGMA
+        sp = ASSUMED_SIGMA
+        so, how = _output_spread(obs, bins, _kv_capacity_tokens(gpu_key, group, model_key, knobs))
         lengths_from = arrivals_from = "engine counters"
-        notes.append(f"lengths from token counters: their means per {LENGTH_BIN_S:g} s; spread assumed "
-                     f"(log-normal sigma {ASSUMED_SIGMA})")
+        notes.append(f"lengths from token counters: their means per {LENGTH_BIN_S:g} s; prompt spread assumed "
+                     f"(log-normal sigma {ASSUMED_SIGMA}); output spread {how}")
+    held = np.mean([b.prompt_mean + b.output_mean / 2 for b in bins])  # a preempted request's KV, on average
+    speed, speed_note = _speed_factor(obs, duration, group, model_key,
+                                      _kv_capacity_tokens(gpu_key, group, model_key, knobs), held)
+    notes.append(speed_note)
     if not bins or sum(b.qps * (b.end_s - b.start_s) for b in bins) + initial < 1:
         raise NotDescribable("no request arrived or finished in the window: there is no workload to fit")
     shape = MODELS[model_key]
@@ -383,11 +400,102 @@ def fit(window: Window, *, gpu: str | None = None, model: str | None = None, ser
         source=source, gpu=group, gpu_name=gpu_name, model=model_key, model_name=model_name, knobs=knobs,
         duration_s=duration, initial_requests=initial, bins=bins, sigma_prompt=sp, sigma_output=so,
         lengths_from=lengths_from, arrivals_from=arrivals_from,
-        max_model_len=_max_model_len(model_key), activation_bytes=ACTIVATION_BYTES_ESTIMATE,
+        max_model_len=_max_model_len(model_key), activation_bytes=ACTIVATION_BYTES_ESTIMATE, speed_factor=speed,
         observed=summarize_observed(obs, duration), notes=notes + [
             f"KV pool sized as vLLM sizes it: {knobs.gpu_memory_utilization:g} of the device less "
             f"{shape.weight_bytes / GIB:.1f} GiB of weights and an estimated "
             f"{ACTIVATION_BYTES_ESTIMATE / GIB:.0f} GiB of activations"])
+
+
+def _kv_capacity_tokens(gpu_key: str, group: str, model_key: str, knobs: Knobs) -> float:
+    """Tokens of KV the pool holds, as :func:`engine`'s layout sizes it on the simulated device."""
+    shape = MODELS[model_key]
+    dev = gpu_specs.SPECS[group].memory_bytes
+    pool = (dev * knobs.gpu_memory_utilization - shape.weight_bytes - ACTIVATION_BYTES_ESTIMATE
+            - 512 * 1024**2 * knobs.tensor_parallel_size)
+    return max(0.0, pool) / shape.kv_bytes_per_token
+
+
+# Output spread from KV occupancy: samples where the cache is neither nearly empty nor full (a full one
+# says only that demand reached capacity), and the largest spread accepted (a heavier tail than this is
+# a few huge outputs the mean does not describe).
+OCCUPANCY_KV_RANGE = (0.2, KV_FULL_RATIO - 0.01)
+MAX_OUTPUT_SIGMA = 1.5
+
+
+def _output_spread(obs: Observed, bins: list[Bin], capacity_tokens: float) -> tuple[float, str]:
+    """The log-normal sigma of output lengths that makes the running requests hold the KV the window shows.
+
+    A running request holds its prompt and the output so far; a long output holds its KV longer, so the
+    KV per running request, weighted by time, is p + E[o^2] / (2 E[o]) = p + o * exp(sigma^2) / 2 for
+    mean prompt p and log-normal outputs of mean o. Observed: usage * capacity / running.
+    """
+    lo, hi = OCCUPANCY_KV_RANGE
+    sel = (obs.kv >= lo) & (obs.kv <= hi) & (obs.running >= 1)
+    if not sel.any() or capacity_tokens <= 0:
+        return ASSUMED_SIGMA, f"assumed (log-normal sigma {ASSUMED_SIGMA}: the KV cache was never between " \
+                              f"{lo:.0%} and {hi:.0%} full to fit it from)"
+    mids = np.array([(b.start_s + b.end_s) / 2 for b in bins])
+    p = np.interp(obs.t[sel], mids, [b.prompt_mean for b in bins])
+    o = np.interp(obs.t[sel], mids, [b.output_mean for b in bins])
+    per_running = obs.kv[sel] * capacity_tokens / obs.running[sel]
+    g = float(np.median(2.0 * (per_running - p) / o))
+    sigma = math.sqrt(math.log(g)) if g > 1.0 else 0.0
+    sigma = min(sigma, MAX_OUTPUT_SIGMA)
+    return sigma, (f"log-normal sigma {sigma:.2f}, fitted so the running requests hold the KV the window shows "
+                   f"({int(sel.sum())} samples)")
+
+
+# Calibration of the engine's speed: one-minute spans in which requests ran throughout (the engine loop
+# then steps back to back), at least this many of them.
+SPEED_SPAN_S = 60.0
+MIN_SPEED_SPANS = 3
+
+
+def _speed_factor(obs: Observed, duration: float, group: str, model_key: str,
+                  capacity_tokens: float, recompute_tokens: float) -> tuple[float, str]:
+    """How many times the roofline's GPU time the window's engine took for the work it did.
+
+    While requests run, a vLLM engine steps back to back; each step decodes one token of every running
+    request and prefills some prompt tokens. A minute with generation rate G, prompt rate P, R running
+    and KV usage U did G/R decode steps over U * capacity tokens of context and P prompt tokens: the
+    roofline (CostModel, the twin's own) charges those a GPU time g and host time h; the engine took
+    the whole minute, so the factor is (1 - h) / g (median over the minutes). 1 without such minutes.
+
+    The prompt work is the twin's own: every prompt token (the twin's requests share no prefix, so it
+    prefills what the window's prefix cache served), plus a recompute of ``recompute_tokens`` per
+    preemption (vLLM V1's prompt counter leaves recompute out). The factor then makes the twin spend the
+    window's time on the window's load, whatever part of it the real engine saved by caching.
+    """
+    from gpudiag.reference_engine.sim_gpu import CostModel
+
+    cost, spec, model = CostModel(), gpu_specs.SPECS[group], MODELS[model_key]
+    factors = []
+    for a in np.arange(0.0, duration - SPEED_SPAN_S + 1e-9, SPEED_SPAN_S):
+        b = a + SPEED_SPAN_S
+        sel = (obs.t >= a) & (obs.t <= b)
+        if sel.sum() < 2 or np.nanmin(obs.running[sel]) < 1:
+            continue
+        g_rate = _increase(obs.t, obs.generation_tokens, a, b) / SPEED_SPAN_S
+        p_rate = (_increase(obs.t, obs.prompt_tokens, a, b)
+                  + _increase(obs.t, obs.preemptions, a, b) * recompute_tokens) / SPEED_SPAN_S
+        r = float(np.nanmean(obs.running[sel]))
+        u = float(np.nanmean(obs.kv[sel]))
+        if g_rate <= 0 or r < 1:
+            continue
+        steps = g_rate / r
+        gpu = steps * cost.decode_gpu_s(spec, model, max(1, round(r)), int(u * capacity_tokens))
+        gpu += cost.prefill_gpu_s(spec, model, [int(p_rate)]) if p_rate >= 1 else 0.0
+        host = steps * cost.host_step_cost_s(max(1, round(r)))
+        if gpu > 0 and host < 1:
+            factors.append((1.0 - host) / gpu)
+    if len(factors) < MIN_SPEED_SPANS:
+        return 1.0, (f"engine speed: the roofline's as it is (fewer than {MIN_SPEED_SPANS} minutes with "
+                     f"requests running throughout to calibrate it on)")
+    k = float(np.median(factors))
+    return k, (f"engine speed calibrated on {len(factors)} busy minutes: the window's engine took {k:.2f}x the "
+               f"roofline's GPU time for its steps (spread {np.percentile(factors, 10):.2f}-"
+               f"{np.percentile(factors, 90):.2f}x)")
 
 
 def _max_model_len(model_key: str) -> int:
@@ -509,8 +617,13 @@ def workload(f: Fitted, replicas: int = 1) -> Workload:
 
 
 def engine(f: Fitted) -> EngineConfig:
+    from gpudiag.reference_engine.sim_gpu import CostModel
+
     k = f.knobs
+    base = CostModel()
     return EngineConfig(
+        cost=CostModel(bandwidth_efficiency=base.bandwidth_efficiency / f.speed_factor,
+                       flops_efficiency=base.flops_efficiency / f.speed_factor),
         gpu=f.gpu, model=f.model,
         kv=KVConfig(strategy="paged", block_size=k.block_size, prefix_caching=k.prefix_caching,
                     max_model_len=f.max_model_len),
@@ -706,7 +819,7 @@ def save(f: Fitted, path: str) -> None:
              f'format = "{FORMAT}"']
     top = {k: getattr(f, k) for k in ("source", "gpu", "gpu_name", "model", "model_name", "duration_s",
                                       "initial_requests", "sigma_prompt", "sigma_output", "lengths_from",
-                                      "arrivals_from", "max_model_len", "activation_bytes")}
+                                      "arrivals_from", "max_model_len", "activation_bytes", "speed_factor")}
     lines += [f"{k} = {_toml_value(v)}" for k, v in top.items()]
     lines.append(f"notes = {_toml_value(f.notes)}")
     lines.append("\n[knobs]")
@@ -739,14 +852,16 @@ def load(path: str) -> Fitted:
         knobs = Knobs(**kd, sources=sources)
         a = d["arrivals"]
         bins = [Bin(*row) for row in zip(a["start_s"], a["end_s"], a["qps"], a["prompt_mean"], a["output_mean"])]
-        base_gpu = re.sub(r"x\d+$", "", d["gpu"]) if d["gpu"] not in gpu_specs.SPECS else d["gpu"]
-        gpu = group_gpu(resolve_gpu(base_gpu), knobs.tensor_parallel_size)
-        f = Fitted(source=d["source"], gpu=gpu, gpu_name=d["gpu_name"], model=resolve_model(d["model"]),
+        model_key = resolve_model(d["model"])
+        base_gpu = re.sub(r"(-fp4)?(x\d+)?$", "", d["gpu"])
+        gpu = group_gpu(resolve_gpu(base_gpu), knobs.tensor_parallel_size, model_key)
+        f = Fitted(source=d["source"], gpu=gpu, gpu_name=d["gpu_name"], model=model_key,
                    model_name=d["model_name"], knobs=knobs, duration_s=float(d["duration_s"]),
                    initial_requests=int(d["initial_requests"]), bins=bins, sigma_prompt=float(d["sigma_prompt"]),
                    sigma_output=float(d["sigma_output"]), lengths_from=d["lengths_from"],
                    arrivals_from=d["arrivals_from"], max_model_len=int(d["max_model_len"]),
-                   activation_bytes=int(d["activation_bytes"]), observed=dict(d.get("observed", {})),
+                   activation_bytes=int(d["activation_bytes"]), speed_factor=float(d["speed_factor"]),
+                   observed=dict(d.get("observed", {})),
                    notes=list(d.get("notes", [])))
     except (KeyError, TypeError, ValueError) as exc:
         raise GpudiagError(f"{path}: a fitted scenario with a missing or bad field ({exc})") from None
