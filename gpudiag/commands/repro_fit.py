@@ -36,7 +36,7 @@ def load_source_window(*, store: str | None, prometheus: str | None, files: list
         return window, ",".join(files)
     from gpudiag import investigate as I
 
-    return I.load_store_window(store, since=since, start=start, end=end, node=node), store
+    return I.load_store_window(store, since=since, start=start, end=end, node=node, gpu=None), store
 
 
 def run_fitted(fitted, *, fixes: list[str], seed: int, as_json: bool, save: str | None) -> int:
