@@ -27,13 +27,13 @@ import copy
 import math
 import re
 import shlex
-import tomllib
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
+import tomllib
 
 from gpudiag.analyzers.common import counter_increase, labelled_total
 from gpudiag.catalog import M
@@ -364,6 +364,9 @@ def fit(window: Window, *, gpu: str | None = None, model: str | None = None, ser
     if knobs.chunked_prefill:
         notes.append("chunked prefill is on: the simulator prefills whole prompts, up to "
                      "max-num-batched-tokens a step")
+    if knobs.prefix_caching:
+        notes.append("prefix caching is on: the twin's requests repeat no content, so it runs without one and "
+                     "prefills every prompt (its speed is calibrated on that work)")
     if knobs.kv_offload:
         notes.append("KV offload is on in the window: the simulator has no CPU KV tier, the twin recomputes "
                      "what offload would load back")
@@ -600,7 +603,6 @@ def workload(f: Fitted, replicas: int = 1) -> Workload:
                             tier_weights=(0.0, 1.0, 0.0))
 
     first = f.bins[0]
-    start = 0.0
     if f.initial_requests:
         # The requests already in the engine when the window opens arrive in its first second.
         phases.append(Phase("in-flight", 0.0, 1.0, (cls("in-flight", first.prompt_mean, first.output_mean),),
@@ -611,7 +613,6 @@ def workload(f: Fitted, replicas: int = 1) -> Workload:
             continue
         phases.append(Phase(f"m{i}", lo, b.end_s, (cls("fitted", b.prompt_mean, b.output_mean),),
                             qps=b.qps / replicas))
-        start = b.end_s
     peak = max(p.qps for p in phases)
     return Workload(qps=max(peak, 1e-6), duration_s=f.duration_s, phases=phases)
 
@@ -625,8 +626,10 @@ def engine(f: Fitted) -> EngineConfig:
         cost=CostModel(bandwidth_efficiency=base.bandwidth_efficiency / f.speed_factor,
                        flops_efficiency=base.flops_efficiency / f.speed_factor),
         gpu=f.gpu, model=f.model,
-        kv=KVConfig(strategy="paged", block_size=k.block_size, prefix_caching=k.prefix_caching,
-                    max_model_len=f.max_model_len),
+        # The twin's requests repeat no content (a fit sees how many tokens the cache served, not which):
+        # a prefix cache would hold only preempted requests' own blocks. Left off, the twin recomputes
+        # them, as the windows of vLLM at a full cache show (their hit ratio falls to about 1 %).
+        kv=KVConfig(strategy="paged", block_size=k.block_size, prefix_caching=False, max_model_len=f.max_model_len),
         scheduler=SchedulerConfig(max_num_seqs=k.max_num_seqs, max_num_batched_tokens=k.max_num_batched_tokens),
         layout=DeviceLayout(memory_fraction=1.0, activation_bytes=f.activation_bytes,
                             cuda_context_bytes=512 * 1024**2 * k.tensor_parallel_size,

@@ -58,7 +58,8 @@ def row(d: dict) -> str:
         return f"{v:.0%}" if v is not None else "n/a"
 
     verdict = "same regime" if fid["same_regime"] else "DIFFERENT regime"
-    return (f"| {d['run']} | {fid['observed_regime']} / {fid['simulated_regime']} | {pct(o['kv_max'])} / {pct(s['kv_max'])} "
+    return (f"| {d['run']} | {fid['observed_regime']} / {fid['simulated_regime']} "
+            f"| {pct(o['kv_max'])} / {pct(s['kv_max'])} "
             f"| {pct(o['kv_full_share'])} / {pct(s['kv_full_share'])} | {o['preemptions']} / {s['preemptions']} "
             f"| {o['running_mean']:.0f} / {s['running_mean']:.0f} | {o['waiting_mean']:.0f} / {s['waiting_mean']:.0f} "
             f"| {o['generation_tokens_per_s']:.0f} / {s['generation_tokens_per_s']:.0f} "

@@ -10,11 +10,11 @@ import contextlib
 import io
 import json
 import math
-import tomllib
 from dataclasses import dataclass
 
 import pytest
 import real_vllm
+import tomllib
 
 from gpudiag import file_source, repro, repro_fit
 from gpudiag.agent.store import Store
