@@ -44,8 +44,9 @@ from gpudiag.reference_engine.engine import EngineConfig
 from gpudiag.reference_engine.kv_manager import KVConfig
 from gpudiag.reference_engine.scenarios import Fix, Scenario
 from gpudiag.reference_engine.scheduler import SchedulerConfig
+from gpudiag.reference_engine.sequence import Sequence
 from gpudiag.reference_engine.sim_gpu import MODELS, DeviceLayout
-from gpudiag.reference_engine.workload import LengthDist, Phase, RequestClass, Workload
+from gpudiag.reference_engine.workload import MAX_REQUESTS, LengthDist, Phase, RequestClass, Workload
 
 GIB = 1024**3
 
@@ -587,34 +588,59 @@ def _from_counters(obs: Observed, duration: float) -> tuple[list[Bin], int]:
 
 # ---- the scenario to run ---------------------------------------------------------------------------
 
-def _median_for_mean(mean: float, sigma: float) -> int:
-    """The log-normal median whose mean is ``mean`` (mean = median * exp(sigma^2 / 2))."""
-    return max(1, int(round(mean / math.exp(sigma * sigma / 2))))
+class FittedWorkload(Workload):
+    """The fitted arrivals: a Poisson process at each minute's rate, log-normal lengths of its means.
+
+    Drawn a minute at a time, all of a minute's requests at once (a Poisson count, uniform times, the
+    lengths as arrays): the same process as :class:`Workload`'s phases, without a draw per request.
+    """
+
+    def __init__(self, f: Fitted, replicas: int = 1):
+        super().__init__(qps=max([b.qps for b in f.bins] + [1e-6]) / replicas, duration_s=f.duration_s,
+                         phases=[Phase("window", 0.0, f.duration_s, (RequestClass("fitted", 1.0, LengthDist(1),
+                                                                                   LengthDist(1)),))])
+        self.fitted = f
+        self.replicas = replicas
+
+    def validate(self) -> None:
+        super().validate()
+        asked = sum(b.qps * (b.end_s - b.start_s) for b in self.fitted.bins) / self.replicas
+        if asked > MAX_REQUESTS:
+            raise GpudiagError(f"the fitted window asks for {asked:.3g} requests; at most {MAX_REQUESTS:,} are "
+                               f"simulated: fit a shorter window")
+
+    def generate(self, seed: int) -> list[Sequence]:
+        self.validate()
+        f, rng = self.fitted, np.random.default_rng(seed)
+        cap = f.max_model_len
+        spans = [(0.0, min(1.0, f.duration_s), f.initial_requests, f.bins[0])] if f.initial_requests else []
+        spans += [(b.start_s, b.end_s, None, b) for b in f.bins]
+        seqs: list[Sequence] = []
+        for lo, hi, count, b in spans:
+            n = int(round(count / self.replicas)) if count is not None else \
+                int(rng.poisson(b.qps * (hi - lo) / self.replicas))
+            if n <= 0:
+                continue
+            at = np.sort(rng.uniform(lo, hi, n))
+            prompt = _draw(rng, b.prompt_mean, f.sigma_prompt, n, cap)
+            output = _draw(rng, b.output_mean, f.sigma_output, n, cap)
+            seqs.extend(Sequence(0, float(t), int(p), int(o), 1, "fitted") for t, p, o in zip(at, prompt, output))
+        seqs.sort(key=lambda s: s.arrival_s)
+        for i, s in enumerate(seqs):
+            s.seq_id = i
+        return seqs
+
+
+def _draw(rng, mean: float, sigma: float, n: int, cap: int) -> np.ndarray:
+    """``n`` log-normal token counts of mean ``mean`` (median mean / exp(sigma^2 / 2)), in [1, cap]."""
+    median = max(1.0, mean / math.exp(sigma * sigma / 2))
+    v = rng.lognormal(math.log(median), sigma, n) if sigma > 0 else np.full(n, median)
+    return np.clip(np.round(v), 1, cap).astype(np.int64)
 
 
 def workload(f: Fitted, replicas: int = 1) -> Workload:
     """The fitted arrivals and lengths; with ``replicas``, what one of that many replicas receives."""
-    phases = []
-    cap = f.max_model_len
-
-    def cls(name, pm, om):
-        return RequestClass(name, 1.0, LengthDist(_median_for_mean(pm, f.sigma_prompt), f.sigma_prompt, 1, cap),
-                            LengthDist(_median_for_mean(om, f.sigma_output), f.sigma_output, 1, cap),
-                            tier_weights=(0.0, 1.0, 0.0))
-
-    first = f.bins[0]
-    if f.initial_requests:
-        # The requests already in the engine when the window opens arrive in its first second.
-        phases.append(Phase("in-flight", 0.0, 1.0, (cls("in-flight", first.prompt_mean, first.output_mean),),
-                            qps=f.initial_requests / replicas))
-    for i, b in enumerate(f.bins):
-        lo = max(b.start_s, 1.0) if f.initial_requests else b.start_s
-        if b.end_s <= lo:
-            continue
-        phases.append(Phase(f"m{i}", lo, b.end_s, (cls("fitted", b.prompt_mean, b.output_mean),),
-                            qps=b.qps / replicas))
-    peak = max(p.qps for p in phases)
-    return Workload(qps=max(peak, 1e-6), duration_s=f.duration_s, phases=phases)
+    return FittedWorkload(f, replicas)
 
 
 def engine(f: Fitted) -> EngineConfig:
