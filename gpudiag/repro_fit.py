@@ -420,10 +420,12 @@ def _kv_capacity_tokens(gpu_key: str, group: str, model_key: str, knobs: Knobs) 
     return max(0.0, pool) / shape.kv_bytes_per_token
 
 
-# Output spread from KV occupancy: samples where the cache is neither nearly empty nor full (a full one
-# says only that demand reached capacity), and the largest spread accepted (a heavier tail than this is
-# a few huge outputs the mean does not describe).
-OCCUPANCY_KV_RANGE = (0.2, KV_FULL_RATIO - 0.01)
+# Output spread from KV occupancy: samples where the cache holds a fifth or more of its capacity but is
+# not full (at a full cache, admission and preemption decide who holds it, not lengths alone), once the
+# requests in the engine have turned over (as many have finished as are running: before that the
+# running ones are young, their outputs short, and they say nothing of the spread); and the largest
+# spread accepted (a heavier tail than this is a few huge outputs the mean does not describe).
+OCCUPANCY_KV_MIN = 0.2
 MAX_OUTPUT_SIGMA = 1.5
 
 
@@ -434,11 +436,13 @@ def _output_spread(obs: Observed, bins: list[Bin], capacity_tokens: float) -> tu
     KV per running request, weighted by time, is p + E[o^2] / (2 E[o]) = p + o * exp(sigma^2) / 2 for
     mean prompt p and log-normal outputs of mean o. Observed: usage * capacity / running.
     """
-    lo, hi = OCCUPANCY_KV_RANGE
-    sel = (obs.kv >= lo) & (obs.kv <= hi) & (obs.running >= 1)
+    done = np.nan_to_num(obs.finished - np.nanmin(obs.finished))
+    turned = np.nonzero(done >= np.nan_to_num(obs.running))[0]
+    after = obs.t >= (obs.t[turned[np.argmax(obs.t[turned] > 0)]] if turned.size else np.inf)
+    sel = (obs.kv >= OCCUPANCY_KV_MIN) & (obs.kv < KV_FULL_RATIO) & (obs.running >= 1) & after
     if not sel.any() or capacity_tokens <= 0:
-        return ASSUMED_SIGMA, f"assumed (log-normal sigma {ASSUMED_SIGMA}: the KV cache was never between " \
-                              f"{lo:.0%} and {hi:.0%} full to fit it from)"
+        return ASSUMED_SIGMA, (f"assumed (log-normal sigma {ASSUMED_SIGMA}: after the requests turned over, the "
+                               f"KV cache was never between {OCCUPANCY_KV_MIN:.0%} and {KV_FULL_RATIO:.0%} full)")
     mids = np.array([(b.start_s + b.end_s) / 2 for b in bins])
     p = np.interp(obs.t[sel], mids, [b.prompt_mean for b in bins])
     o = np.interp(obs.t[sel], mids, [b.output_mean for b in bins])
