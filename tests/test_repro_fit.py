@@ -250,3 +250,39 @@ def test_the_twin_holds_the_runs_regime(tmp_path, runs, node):
         assert f.observed["preemptions"] / 2 <= sim["preemptions"] <= 2 * f.observed["preemptions"]
     else:
         assert sim["preemptions"] == 0 and sim["kv_max"] < repro_fit.KV_FULL_RATIO
+
+
+# ---- a Prometheus window ---------------------------------------------------------------------------
+
+@needs_real
+def test_a_window_read_from_prometheus_is_fitted_and_replayed(tmp_path, runs):
+    """A real vLLM run backfilled into a real Prometheus, fitted with --from-prometheus over ten minutes."""
+    import time
+
+    from prometheus_support import READY_S, backfill, get_json, start_prometheus, stop, wait
+
+    r = runs["tp1_bs64_offloadoff"]
+    block_s = 7200  # promtool writes two-hour blocks: the run moved into one, ending before now
+    t0 = (int(time.time() - r.duration_s - 600) // block_s) * block_s
+    with open(tmp_path / "series.om", "w") as fh:
+        spans = real_vllm.write_openmetrics([r], fh, t0)
+    backfill(tmp_path / "series.om", tmp_path / "tsdb")
+    prom, url, log = start_prometheus(tmp_path, [])
+    try:
+        wait("backfilled series queryable", READY_S,
+             lambda: get_json(f"{url}/api/v1/query?query=vllm:num_requests_running&time={t0 + 60}")["data"]["result"],
+             prom)
+        first, _ = spans[r.node]
+        res = _cli("repro", "--from-prometheus", url, "--node", r.node, "--from", f"{first + 300:.0f}",
+                   "--to", f"{first + 900:.0f}", "--gpu", "NVIDIA B200", "--model", r.model,
+                   "--serve-args", r.command, "--json")
+    finally:
+        stop(prom)
+        log.close()
+    assert res.exit_code == 0, res.output + res.error
+    doc = json.loads(res.output)
+    assert doc["fit"]["knobs"]["max_num_seqs"] == 64 and doc["fit"]["initial_requests"] >= 60
+    fid = doc["fidelity"]
+    assert fid["observed_regime"] == fid["simulated_regime"] == "calm"
+    rows = {row["key"]: row for row in fid["rows"]}
+    assert rows["generation_tokens_per_s"]["ratio"] == pytest.approx(1.0, abs=0.25)
