@@ -27,7 +27,7 @@ T0 = 1_770_000_000.0
 LLAMA = "nvidia/Llama-3.3-70B-Instruct-FP4"
 needs_real = pytest.mark.skipif(not real_vllm.INFERENCEX.is_dir(),
                                 reason=f"no InferenceX runs at {real_vllm.INFERENCEX} (../shared/data/real is not "
-                                       f"checked out here; GPUDIAG_REAL_DATA points elsewhere)")
+                                       f"beside this checkout; GPUDIAG_REAL_DATA can name the folder)")
 
 
 @dataclass
