@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import csv
 import gzip
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,7 +36,8 @@ from pathlib import Path
 from typing import TextIO
 
 REPO = Path(__file__).resolve().parents[1]
-REAL = REPO / ".." / "shared" / "data" / "real"
+# GPUDIAG_REAL_DATA points at the real data where the checkout has no ../shared beside it.
+REAL = Path(os.environ.get("GPUDIAG_REAL_DATA", REPO / ".." / "shared" / "data" / "real"))
 INFERENCEX = REAL / "series" / "inferencex"
 PORT = 8888  # the benchmark's `vllm serve --port`
 ENGINE = "0"  # one engine core per server in every run

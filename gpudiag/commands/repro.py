@@ -20,8 +20,11 @@ def register(app: typer.Typer) -> None:
 
 
 def repro(
-    scenario: Optional[str] = typer.Argument(None, help="Scenario name (see --list)."),
-    fix: Optional[str] = typer.Option(None, "--fix", help="Apply a fix and compare with the unfixed run."),
+    scenario: Optional[str] = typer.Argument(None, help="Scenario name (see --list), or a fitted scenario file "
+                                             "(scenario.toml, written by --save)."),
+    fix: Optional[str] = typer.Option(None, "--fix", help="Apply a fix and compare with the unfixed run. On a "
+                                      "fitted window: one or more, comma-separated, with parameters "
+                                      "(max-num-seqs=128,replicas=2)."),
     seed: int = typer.Option(0, "--seed", help="Random seed; the same seed gives the same run."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
     list_: bool = typer.Option(False, "--list", help="List scenarios and their fixes."),
@@ -30,6 +33,23 @@ def repro(
     block_size: Optional[int] = typer.Option(None, "--block-size", help="Override the paged-KV block size (tokens)."),
     gpu: Optional[str] = typer.Option(None, "--gpu", help="Override the simulated GPU (A100-80GB, H100-SXM, ...)."),
     model: Optional[str] = typer.Option(None, "--model", help="Override the model shape (llama-7b, mistral-7b, ...)."),
+    from_store: Optional[str] = typer.Option(None, "--from-store", help="Fit a scenario to a window of this "
+                                             "store (written by `gpudiag agent`) and replay it."),
+    from_prometheus: Optional[str] = typer.Option(None, "--from-prometheus", help="Fit a scenario to a window "
+                                                  "read from this Prometheus and replay it."),
+    files: Optional[list[str]] = typer.Option(None, "--file", help="Fit a scenario to recorded telemetry "
+                                              "(OpenMetrics, /metrics scrapes, ...) and replay it."),
+    since: Optional[str] = typer.Option(None, "--since", help="With a window source: its length back from "
+                                        "the latest sample (30m, 2h)."),
+    start: Optional[str] = typer.Option(None, "--from", help="With a window source: the window's start "
+                                        "(ISO-8601 or Unix seconds)."),
+    end: Optional[str] = typer.Option(None, "--to", help="With a window source: the window's end."),
+    node: Optional[str] = typer.Option(None, "--node", help="With a window source: the node whose engine to fit."),
+    serve_args: Optional[str] = typer.Option(None, "--serve-args", help="With a window source: the engine's "
+                                             "command line (vllm serve MODEL --max-num-seqs ...), for the knobs "
+                                             "the window does not show."),
+    save: Optional[str] = typer.Option(None, "--save", help="With a window source: write the fitted scenario "
+                                       "to this TOML file."),
 ):
     """Reproduce a field incident on the simulated GPU, diagnose it, and check a fix."""
     from gpudiag import repro as R
@@ -38,6 +58,11 @@ def repro(
     out = Console(file=sys.stdout, highlight=False)
     if list_:
         return _list(out, as_json)
+    if from_store or from_prometheus or files or (scenario or "").endswith(".toml"):
+        return _fitted(scenario, fix, seed, as_json, from_store, from_prometheus, files or [], since, start, end,
+                       node, gpu, model, serve_args, save,
+                       ignored=[o for o, v in (("--qps", qps), ("--duration", duration),
+                                               ("--block-size", block_size)) if v is not None])
     if scenario is None:
         raise GpudiagError(f"name a scenario; valid: {', '.join(scenarios.SCENARIOS)} (or use --list)")
     sc = scenarios.get(scenario)
@@ -76,6 +101,27 @@ def repro(
         return 0
     _print_report(out, sc, docs, results)
     return 0
+
+
+def _fitted(scenario, fix, seed, as_json, from_store, from_prometheus, files, since, start, end, node, gpu, model,
+            serve_args, save, ignored) -> int:
+    from gpudiag import repro_fit
+    from gpudiag.commands.repro_fit import load_source_window, run_fitted
+
+    if ignored:
+        raise GpudiagError(f"{', '.join(ignored)} apply to canned scenarios; a fitted window takes its rates and "
+                           f"knobs from the window (use --fix to change a knob)")
+    fixes = [f.strip() for f in (fix or "").split(",") if f.strip()]
+    if scenario is not None:
+        if from_store or from_prometheus or files:
+            raise GpudiagError("give a fitted scenario file or a window source (--from-store, --from-prometheus, "
+                               "--file), not both")
+        fitted = repro_fit.load(scenario)
+    else:
+        window, source = load_source_window(store=from_store, prometheus=from_prometheus, files=files, since=since,
+                                            start=start, end=end, node=node)
+        fitted = repro_fit.fit(window, gpu=gpu, model=model, serve_args=serve_args, source=source)
+    return run_fitted(fitted, fixes=fixes, seed=seed, as_json=as_json, save=save)
 
 
 def _run_with_progress(sc, fix, seed, overrides):

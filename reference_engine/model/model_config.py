@@ -209,4 +209,11 @@ PRESETS: dict[str, ModelConfig] = {
     "mistral-7b": ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32,
                               num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1e6,
                               rms_eps=1e-5, max_position=32768, dtype="bfloat16", name="mistral-7b"),
+    # Llama-3.3-70B-Instruct: meta-llama/Llama-3.3-70B-Instruct config.json (hidden_size 8192,
+    # intermediate_size 28672, num_hidden_layers 80, num_attention_heads 64, num_key_value_heads 8,
+    # vocab_size 128256, rope_theta 500000, rms_norm_eps 1e-5, max_position_embeddings 131072,
+    # torch_dtype bfloat16, untied embeddings): 70.55 B parameters; 320 KiB KV/token at bf16.
+    "llama-3.3-70b": ModelConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80,
+                                 num_heads=64, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
+                                 rms_eps=1e-5, max_position=131072, dtype="bfloat16", name="llama-3.3-70b"),
 }

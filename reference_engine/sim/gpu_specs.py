@@ -42,6 +42,12 @@ SPECS: dict[str, GPUSpec] = {
     "H200": GPUSpec("NVIDIA H200", 141 * 10**9, 4.8e12, 989e12, 1980e6, 3201e6, 700.0, 75.0),
     # L4 24GB: 300 GB/s GDDR6, 121 TFLOPS BF16 dense, 2040 MHz boost, 72 W.
     "L4": GPUSpec("NVIDIA L4", 24 * GIB, 300e9, 121e12, 2040e6, 6251e6, 72.0, 16.0),
+    # B200 (HGX B200 datasheet, 2024: per GPU 180 GB HBM3e at 8 TB/s; FP16/BF16 tensor 36 PFLOPS
+    # for eight GPUs with sparsity, so 2.25 PFLOPS dense each; up to 1000 W). NVML reports 183359 MiB
+    # total and a 1965 MHz maximum SM clock on B200 nodes (nvidia-smi). The HBM3e memory clock is not in
+    # the datasheet: 3996 MHz is an estimate, used only for the clock gauge. Idle power: nvidia-smi shows
+    # 130-190 W at P0 with no process.
+    "B200": GPUSpec("NVIDIA B200", 183359 * 1024**2, 8.0e12, 2.25e15, 1965e6, 3996e6, 1000.0, 140.0),
     # T4 16GB: 320 GB/s GDDR6, 65 TFLOPS FP16 mixed precision, 1590 MHz boost, 70 W.
     "T4": GPUSpec("Tesla T4", 15 * GIB, 320e9, 65e12, 1590e6, 5001e6, 70.0, 10.0),
 }

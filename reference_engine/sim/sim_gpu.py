@@ -60,6 +60,14 @@ MODELS = {
     # Mistral-7B with int8 weights (W8A16: GPTQ/AWQ 8-bit, LLM.int8): 7.2 GB of weights, the
     # "8 GB model on a 16 GB card" of SCENARIOS.md §3; decode reads half the bytes.
     "mistral-7b-w8": replace(shape_of(PRESETS["mistral-7b"], name="mistral-7b-w8"), dtype_bytes=1),
+    # Llama-3.3-70B-Instruct in bf16, bf16 KV: 141 GB of weights, 320 KiB of KV per token.
+    "llama-3.3-70b": shape_of(PRESETS["llama-3.3-70b"]),
+    # nvidia/Llama-3.3-70B-Instruct-FP4 (hf_quant_config.json: quant_algo NVFP4, group_size 16,
+    # kv_cache_quant_algo FP8, exclude_modules lm_head): the 68.45 B linear-layer weights hold 4 bits
+    # plus one FP8 scale per 16 (0.5625 B each), the embedding and LM head (2.10 B) stay bf16:
+    # 42.7 GB of weights, 0.605 B a parameter on average; 160 KiB of fp8 KV per token.
+    "llama-3.3-70b-fp4": replace(shape_of(PRESETS["llama-3.3-70b"], kv_dtype_bytes=1, name="llama-3.3-70b-fp4"),
+                                 dtype_bytes=(68.45 * 0.5625 + 2.10 * 2) / 70.55),
 }
 
 

@@ -1,0 +1,291 @@
+"""`gpudiag repro --from-store/--file`: a window fitted as a scenario, saved, replayed, judged against what was seen.
+
+The real windows are InferenceX's vLLM runs on B200 (../shared/data/real, tests/real_vllm.py writes each
+back as the OpenMetrics vLLM exported); the store window is a simulated run written to a real store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+from dataclasses import dataclass
+
+import pytest
+import real_vllm
+import tomllib
+
+from gpudiag import file_source, repro, repro_fit
+from gpudiag.agent.store import Store
+from gpudiag.cli import main
+from gpudiag.errors import GpudiagError
+from gpudiag.frames import Frame
+from gpudiag.reference_engine import scenarios
+
+T0 = 1_770_000_000.0
+LLAMA = "nvidia/Llama-3.3-70B-Instruct-FP4"
+needs_real = pytest.mark.skipif(not real_vllm.INFERENCEX.is_dir(),
+                                reason=f"no InferenceX runs at {real_vllm.INFERENCEX} (../shared/data/real is not "
+                                       f"beside this checkout; GPUDIAG_REAL_DATA can name the folder)")
+
+
+@dataclass
+class Result:
+    exit_code: int
+    output: str  # stdout
+    error: str  # stderr
+
+
+def _cli(*args) -> Result:
+    """The command line as the console script runs it (its error handling included)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return Result(code, out.getvalue(), err.getvalue())
+
+
+def _one_line_exit_2(result, *words):
+    assert result.exit_code == 2, result.output + result.error
+    line = result.error.strip()
+    assert "\n" not in line and "Traceback" not in line, line
+    for w in words:
+        assert w in line, line
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return {r.node: r for r in real_vllm.runs()} if real_vllm.INFERENCEX.is_dir() else {}
+
+
+def _om(tmp_path, run, **drop) -> str:
+    path = tmp_path / f"{run.node}{'-bare' if drop else ''}.om"
+    with open(path, "w") as fh:
+        real_vllm.write_openmetrics([run], fh, T0)
+    if drop:
+        text = path.read_text().splitlines(keepends=True)
+        path.write_text("".join(ln for ln in text if not any(name in ln for name in drop["families"])))
+    return str(path)
+
+
+# ---- what a fit reads, and what it refuses --------------------------------------------------------
+
+def test_serve_args_give_the_knobs_and_vllm_defaults_fill_the_rest():
+    k = repro_fit.parse_serve_args("vllm serve m --max-num-seqs 512 --gpu-memory-utilization=0.85 "
+                                   "--tensor-parallel-size 2 --kv_offloading_backend native "
+                                   "--no-enable-prefix-caching", 183359 * 2**20)
+    assert (k.max_num_seqs, k.gpu_memory_utilization, k.tensor_parallel_size) == (512, 0.85, 2)
+    assert k.kv_offload and not k.prefix_caching and k.chunked_prefill
+    assert k.max_num_batched_tokens == 8192 and k.sources["max_num_batched_tokens"] == "vLLM V1 default"
+    small = repro_fit.parse_serve_args(None, 24 * 2**30)
+    assert (small.max_num_seqs, small.max_num_batched_tokens) == (256, 2048)
+    with pytest.raises(GpudiagError, match="needs a number"):
+        repro_fit.parse_serve_args("vllm serve m --max-num-seqs lots", 2**40)
+
+
+def test_models_are_matched_by_name_and_a_mixture_of_experts_is_refused():
+    assert repro_fit.resolve_model(LLAMA) == "llama-3.3-70b-fp4"
+    assert repro_fit.resolve_model("meta-llama/Llama-3.3-70B-Instruct") == "llama-3.3-70b"
+    with pytest.raises(repro_fit.NotDescribable, match="mixture of experts"):
+        repro_fit.resolve_model("nvidia/DeepSeek-R1-0528-FP4")
+    with pytest.raises(repro_fit.NotDescribable, match="not one the simulator knows"):
+        repro_fit.resolve_model("acme/frontier-9000")
+    assert repro_fit.resolve_gpu("NVIDIA B200") == "B200"
+    with pytest.raises(repro_fit.NotDescribable, match="no preset"):
+        repro_fit.resolve_gpu("NVIDIA GB300")
+
+
+def test_fp4_weights_on_a_gpu_without_fp4_tensor_cores_are_refused():
+    with pytest.raises(repro_fit.NotDescribable, match="FP4"):
+        repro_fit.group_gpu("A100-80GB", 1, "llama-3.3-70b-fp4")
+
+
+@needs_real
+def test_what_the_window_lacks_is_named_and_nothing_is_guessed(tmp_path, runs):
+    r = runs["tp1_bs64_offloadoff"]
+    path = _om(tmp_path, r)
+    # The scrapes carry no GPU rows: no NVML name.
+    _one_line_exit_2(_cli("repro", "--file", path, "--model", LLAMA), "names no GPU", "--gpu")
+    _one_line_exit_2(_cli("repro", "--file", path, "--gpu", "B200"), "names no served model", "--model")
+    _one_line_exit_2(_cli("repro", "--file", path, "--gpu", "B200", "--model", "nvidia/DeepSeek-R1-0528-FP4"),
+                     "mixture of experts")
+    bare = _om(tmp_path, r, families=("vllm:prompt_tokens", "vllm:generation_tokens"))
+    _one_line_exit_2(_cli("repro", "--file", bare, "--gpu", "B200", "--model", LLAMA), "token counters")
+    # A fix the twin cannot judge is refused before any simulation.
+    _one_line_exit_2(_cli("repro", "--file", path, "--gpu", "B200", "--model", LLAMA, "--fix", "kv-offload"),
+                     "kv-offload", "host KV tier")
+    _one_line_exit_2(_cli("repro", "--file", path, "--gpu", "B200", "--model", LLAMA, "--fix", "max-num-seqs=0"),
+                     "max-num-seqs")
+
+
+@needs_real
+def test_a_deepseek_run_is_not_described(tmp_path, runs):
+    r = next(r for r in runs.values() if "DeepSeek" in r.model)
+    window, _ = file_source.load_window([_om(tmp_path, r)])
+    with pytest.raises(repro_fit.NotDescribable, match="mixture of experts"):
+        repro_fit.fit(window, gpu="B200", model=r.model, serve_args=r.command or None)
+
+
+@needs_real
+def test_the_fit_reads_the_run_as_it_was_served(tmp_path, runs):
+    r = runs["tp2_bs256_offloadoff"]
+    window, _ = file_source.load_window([_om(tmp_path, r)])
+    f = repro_fit.fit(window, gpu="NVIDIA B200", model=r.model, serve_args=r.command, source=r.node)
+    assert (f.model, f.knobs.max_num_seqs, f.knobs.tensor_parallel_size) == ("llama-3.3-70b-fp4", 256, 2)
+    assert f.gpu == "B200-fp4x2" and f.knobs.sources["max_num_seqs"] == "serve command"
+    # Arrivals: what the counters say arrived (finished plus the change of those in the engine).
+    arrived = sum(b.qps * (b.end_s - b.start_s) for b in f.bins) + f.initial_requests
+    finished = f.observed["finished"]
+    assert finished <= arrived <= finished + 512 + 437
+    # Lengths: the counters' means over the window.
+    mean_prompt = sum(b.prompt_mean * b.qps for b in f.bins) / sum(b.qps for b in f.bins)
+    assert 1000 < mean_prompt < 4000
+    assert any("spread" in n for n in f.notes) and any("calibrated" in n for n in f.notes)
+
+
+# ---- fitted scenario files ------------------------------------------------------------------------
+
+@needs_real
+def test_a_saved_fit_reads_back_and_replays_the_same(tmp_path, runs):
+    r = runs["tp2_bs16_offloadoff"]
+    window, _ = file_source.load_window([_om(tmp_path, r)], start=str(T0), end=str(T0 + 300))
+    f = repro_fit.fit(window, gpu="B200", model=r.model, serve_args=r.command, source=r.node)
+    path = tmp_path / "scenario.toml"
+    repro_fit.save(f, str(path))
+    tomllib.loads(path.read_text())
+    g = repro_fit.load(str(path))
+    assert (g.gpu, g.model, g.knobs, g.duration_s) == (f.gpu, f.model, f.knobs, f.duration_s)
+    assert [b.qps for b in g.bins] == pytest.approx([b.qps for b in f.bins], abs=1e-4)
+    a = repro_fit.summarize_run(repro.run(repro_fit.scenario(f), None, 0))
+    b = repro_fit.summarize_run(repro.run(repro_fit.scenario(g), None, 0))
+    assert b["finished"] == pytest.approx(a["finished"], rel=0.02)
+    res = _cli("repro", str(path), "--json")
+    assert res.exit_code == 0, res.output + res.error
+    doc = json.loads(res.output)
+    assert doc["fidelity"]["rows"] and doc["fit"]["model"] == "llama-3.3-70b-fp4"
+
+
+def test_a_file_that_is_not_a_fit_is_one_line(tmp_path):
+    bad = tmp_path / "x.toml"
+    bad.write_text('format = "something else"\n')
+    _one_line_exit_2(_cli("repro", str(bad)), "not a fitted scenario")
+    bad.write_text("this is = = not toml")
+    _one_line_exit_2(_cli("repro", str(bad)), "not TOML")
+    _one_line_exit_2(_cli("repro", str(tmp_path / "none.toml")), "cannot read")
+
+
+# ---- a store window: request rows -------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def healthy_store(tmp_path_factory):
+    """Ten minutes of the healthy paged Mistral-7B scenario, written to a real store."""
+    sc = scenarios.get("healthy")
+
+    def short(cfg, w):
+        w.duration_s = 600.0
+
+    res = repro.run(sc, None, 0, overrides=short)
+    path = str(tmp_path_factory.mktemp("fit") / "healthy.db")
+    store = Store.open(path)
+    for kind, df in res.window.tables.items():
+        by_t: dict[float, list[dict]] = {}
+        for row in df.to_dict("records"):
+            t = row.pop("t")
+            if kind == "request":
+                row["arrival_s"] = row["arrival_s"] + T0
+            if kind == "gpu":  # the NVML probe names the GPU on its rows; the simulated device does not
+                row["name"] = "NVIDIA A100-SXM4-80GB"
+            by_t.setdefault(t, []).append({k: v for k, v in row.items()
+                                           if not (isinstance(v, float) and math.isnan(v))})
+        store.append(Frame(kind, T0 + t, rows) for t, rows in by_t.items())
+        store.flush()
+    store.close()
+    return path, res
+
+
+def test_a_store_window_is_fitted_from_its_request_rows_and_stays_calm(healthy_store, tmp_path):
+    path, observed_run = healthy_store
+    out = tmp_path / "healthy.toml"
+    res = _cli("repro", "--from-store", path, "--from", str(T0), "--to", str(T0 + 600), "--model", "mistral-7b",
+               "--serve-args", "vllm serve mistralai/Mistral-7B-Instruct-v0.2 --max-num-seqs 256",
+               "--save", str(out), "--fix", "replicas=2", "--json")
+    assert res.exit_code == 0, res.output + res.error
+    doc = json.loads(res.output)
+    assert doc["fit"]["gpu_name"] == "NVIDIA A100-SXM4-80GB"  # from NVML's name in the store
+    assert doc["fit"]["lengths_from"] == "request rows"
+    fid = doc["fidelity"]
+    assert fid["observed_regime"] == fid["simulated_regime"] == "calm"
+    rows = {r["key"]: r for r in fid["rows"]}
+    assert rows["finished"]["ratio"] == pytest.approx(1.0, abs=0.1)
+    assert rows["ttft_p99_s"]["observed"] is not None  # latency observed in request rows is compared
+    assert rows["gpu_util_mean"]["observed"] is not None
+    assert doc["fixes"][0]["fix"] == "replicas=2"
+    assert doc["fixes"][0]["simulated"]["finished"] < doc["simulated"]["finished"]
+    assert out.is_file()
+
+
+# ---- the twin's regime on the real runs -------------------------------------------------------------
+
+# The runs whose KV cache filled and which preempted hundreds of times (index.csv): the twin fills its
+# cache and preempts in each. Its preemption count is within 2x of the observed one for
+# tp1_bs256_offloadoff only (920 against 654 at seed 0); docs/repro-twin.md gives the others (0.46x to
+# 2.9x) and why.
+STORMS = ("tp1_bs256_offloadoff", "tp1_bs256_offloadon", "tp1_bs512_offloadoff", "tp1_bs512_offloadon")
+WITHIN_2X = ("tp1_bs256_offloadoff",)
+CALM = ("tp1_bs64_offloadoff", "tp2_bs128_offloadoff")
+
+
+@needs_real
+@pytest.mark.slow
+@pytest.mark.parametrize("node", STORMS + CALM)
+def test_the_twin_holds_the_runs_regime(tmp_path, runs, node):
+    """Runs that filled the KV cache and preempted hundreds of times do so in the twin (within 2x of the
+    preemptions observed where WITHIN_2X says); calm runs stay calm."""
+    r = runs[node]
+    window, _ = file_source.load_window([_om(tmp_path, r)])
+    f = repro_fit.fit(window, gpu="B200", model=r.model, serve_args=r.command, source=node)
+    sim = repro_fit.summarize_run(repro.run(repro_fit.scenario(f), None, 0))
+    fid = repro_fit.fidelity(f.observed, sim, f.duration_s)
+    assert fid["same_regime"], fid
+    if node in STORMS:
+        assert fid["observed_regime"] == "preempting" and sim["preemptions"] >= 50
+        if node in WITHIN_2X:
+            assert f.observed["preemptions"] / 2 <= sim["preemptions"] <= 2 * f.observed["preemptions"]
+    else:
+        assert sim["preemptions"] == 0 and sim["kv_max"] < repro_fit.KV_FULL_RATIO
+
+
+# ---- a Prometheus window ---------------------------------------------------------------------------
+
+@needs_real
+def test_a_window_read_from_prometheus_is_fitted_and_replayed(tmp_path, runs):
+    """A real vLLM run backfilled into a real Prometheus, fitted with --from-prometheus over ten minutes."""
+    import time
+
+    from prometheus_support import READY_S, backfill, get_json, start_prometheus, stop, wait
+
+    r = runs["tp1_bs64_offloadoff"]
+    block_s = 7200  # promtool writes two-hour blocks: the run moved into one, ending before now
+    t0 = (int(time.time() - r.duration_s - 600) // block_s) * block_s
+    with open(tmp_path / "series.om", "w") as fh:
+        spans = real_vllm.write_openmetrics([r], fh, t0)
+    backfill(tmp_path / "series.om", tmp_path / "tsdb")
+    prom, url, log = start_prometheus(tmp_path, [])
+    try:
+        wait("backfilled series queryable", READY_S,
+             lambda: get_json(f"{url}/api/v1/query?query=vllm:num_requests_running&time={t0 + 60}")["data"]["result"],
+             prom)
+        first, _ = spans[r.node]
+        res = _cli("repro", "--from-prometheus", url, "--node", r.node, "--from", f"{first + 300:.0f}",
+                   "--to", f"{first + 900:.0f}", "--gpu", "NVIDIA B200", "--model", r.model,
+                   "--serve-args", r.command, "--json")
+    finally:
+        stop(prom)
+        log.close()
+    assert res.exit_code == 0, res.output + res.error
+    doc = json.loads(res.output)
+    assert doc["fit"]["knobs"]["max_num_seqs"] == 64 and doc["fit"]["initial_requests"] >= 60
+    fid = doc["fidelity"]
+    assert fid["observed_regime"] == fid["simulated_regime"] == "calm"
+    rows = {row["key"]: row for row in fid["rows"]}
+    assert rows["generation_tokens_per_s"]["ratio"] == pytest.approx(1.0, abs=0.25)
