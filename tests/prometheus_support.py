@@ -7,6 +7,7 @@ fixture that started it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -96,3 +97,24 @@ def backfill(openmetrics: Path, tsdb: Path) -> None:
     made = subprocess.run([PROMTOOL, "tsdb", "create-blocks-from", "openmetrics", "-q", str(openmetrics),
                            str(tsdb)], capture_output=True, text=True, timeout=BACKFILL_TIMEOUT_S)
     assert made.returncode == 0, made.stderr
+
+
+@contextlib.contextmanager
+def backfilled_prometheus(tmp: Path, openmetrics: Path, ready_query: str, ready_at: float, *,
+                          keep_text: bool = True):
+    """Prometheus over the samples of an OpenMetrics file, once ``ready_query`` answers at ``ready_at``: its url.
+
+    The file is backfilled into ``tmp/tsdb`` (and removed after unless ``keep_text``); Prometheus is
+    stopped on the way out.
+    """
+    backfill(openmetrics, tmp / "tsdb")
+    if not keep_text:
+        openmetrics.unlink()
+    prom, url, log = start_prometheus(tmp, [])
+    try:
+        wait("backfilled series queryable", READY_S,
+             lambda: get_json(f"{url}/api/v1/query?query={ready_query}&time={ready_at}")["data"]["result"], prom)
+        yield url
+    finally:
+        stop(prom)
+        log.close()

@@ -14,7 +14,7 @@ import json
 import time
 
 import pytest
-from prometheus_support import READY_S, backfill, get_json, start_prometheus, stop, wait
+from prometheus_support import backfilled_prometheus
 
 from gpudiag import promql_source as P
 from gpudiag.catalog import M
@@ -123,15 +123,8 @@ def engines(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("prom-dialects")
     t0 = (int(time.time()) - SPAN_S - 600) // 60 * 60
     (tmp / "series.om").write_text(_openmetrics(t0))
-    backfill(tmp / "series.om", tmp / "tsdb")
-    prom, url, log = start_prometheus(tmp, [])
-    try:
-        wait("backfilled series queryable", READY_S,
-             lambda: get_json(f"{url}/api/v1/query?query=tgi_queue_size&time={t0 + 600}")["data"]["result"], prom)
+    with backfilled_prometheus(tmp, tmp / "series.om", "tgi_queue_size", t0 + 600) as url:
         yield url, t0
-    finally:
-        stop(prom)
-        log.close()
 
 
 def _window(t0: int) -> list[str]:

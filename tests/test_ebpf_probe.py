@@ -22,6 +22,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from ebpf_support import EBPF_SKIP, needs_ebpf
 
 from gpudiag.catalog import CATALOG, M
 from gpudiag.errors import GpudiagError
@@ -106,26 +107,6 @@ call("cudaGraphLaunch", None, None)
 print(json.dumps(calls), flush=True)
 sys.stdin.readline()
 """
-
-
-def _ebpf_skip_reason() -> str | None:
-    if os.geteuid() != 0:
-        return "loading BPF programs needs root (CI runs this suite as root)"
-    blockers = ebpf_readiness.blocking(ebpf_readiness.ebpf_checks())
-    if blockers:
-        return "eBPF unavailable: " + ebpf_readiness.explain(blockers[0])
-    if shutil.which("gcc") is None:
-        return "gcc is not installed (scripts/system-deps.d/10-ebpf.sh installs it)"
-    return None
-
-
-_SKIP_EBPF = _ebpf_skip_reason()
-
-
-def needs_ebpf(test):
-    """Marks a test that loads BPF programs; skipped, with the reason, where it cannot."""
-    return pytest.mark.ebpf(pytest.mark.skipif(_SKIP_EBPF is not None, reason=str(_SKIP_EBPF))(test))
-
 
 
 needs_cudart = pytest.mark.skipif(not os.path.exists(CUDART), reason=f"{CUDART} (CUDA 13 toolkit) is not installed")
@@ -225,8 +206,8 @@ def assert_leak_found(entry: dict) -> None:
 @pytest.fixture(scope="module")
 def probe():
     """One probe for the module (compiling costs seconds); each test probes its own processes."""
-    if _SKIP_EBPF:
-        pytest.skip(_SKIP_EBPF)
+    if EBPF_SKIP:
+        pytest.skip(EBPF_SKIP)
     p = CudaApiProbe([]).start()
     yield p
     p.close()
@@ -538,8 +519,8 @@ def test_probing_every_process_without_launch_probes_and_with_a_lossy_event_ring
 def probed_command(built):
     """`gpudiag probe cuda --json -- sh -c ...` under sudo's variables: the shell starts the
     workload, which loads the shim late; one run, several tests."""
-    if _SKIP_EBPF:
-        pytest.skip(_SKIP_EBPF)
+    if EBPF_SKIP:
+        pytest.skip(EBPF_SKIP)
     lib = fresh_shim(built)
     script = 'id -u; "$0" "$1" --late-ms 300 >/dev/null; exit 3'
     env = {**os.environ, "SUDO_UID": "65534", "SUDO_GID": "65534"}

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
-from prometheus_support import READY_S, backfill, free_port, get_json, start_prometheus, stop, wait
+from prometheus_support import backfilled_prometheus, free_port, get_json, start_prometheus, stop, wait
 
 from gpudiag import promql_source as P
 
@@ -195,16 +195,8 @@ def foreign(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("prom-foreign")
     t0 = (int(time.time()) - SPAN_S - 600) // 60 * 60
     (tmp / "series.om").write_text(_openmetrics(t0))
-    backfill(tmp / "series.om", tmp / "tsdb")
-    prom, url, log = start_prometheus(tmp, [])
-    try:
-        wait("backfilled series queryable", READY_S,
-              lambda: get_json(f"{url}/api/v1/query?query=DCGM_FI_DEV_GPU_TEMP&time={t0 + 600}")["data"]["result"],
-              prom)
+    with backfilled_prometheus(tmp, tmp / "series.om", "DCGM_FI_DEV_GPU_TEMP", t0 + 600) as url:
         yield url, t0
-    finally:
-        stop(prom)
-        log.close()
 
 
 def _foreign_window(t0: int) -> list[str]:

@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from ebpf_support import EBPF_SKIP
 from test_ebpf_probe import built, fresh_shim  # noqa: F401 - built is a fixture
 
 from gpudiag.frames import Frame
@@ -28,23 +29,6 @@ from gpudiag.probes.kube_cgroup import read_identity
 KEEP_V1 = ("memory", "cpu", "pids")
 
 
-def ebpf_skip_reason() -> str | None:
-    """Why BPF programs cannot be loaded here (the readiness checks' first blocker), or None."""
-    import shutil
-
-    from gpudiag.probes import ebpf_readiness
-
-    if os.geteuid() != 0:
-        return "loading BPF programs needs root"
-    blockers = ebpf_readiness.blocking(ebpf_readiness.ebpf_checks())
-    if blockers:
-        return "eBPF unavailable: " + ebpf_readiness.explain(blockers[0])
-    if shutil.which("gcc") is None:
-        return "gcc is not installed (scripts/system-deps.d/10-ebpf.sh installs it)"
-    return None
-
-
-EBPF_SKIP = ebpf_skip_reason()
 
 
 def controllerless_v2_mount() -> str | None:

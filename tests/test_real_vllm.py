@@ -16,7 +16,7 @@ import urllib.parse
 
 import pytest
 import real_vllm
-from prometheus_support import READY_S, backfill, get_json, start_prometheus, stop, wait
+from prometheus_support import backfilled_prometheus, get_json
 
 from gpudiag import investigate, promql_source
 from gpudiag.analyzers.registry import run_all
@@ -47,17 +47,9 @@ def fleet(tmp_path_factory):
     t0 = (int(time.time() - longest - MARGIN_S) // BLOCK_S) * BLOCK_S
     with open(tmp / "series.om", "w") as fh:
         spans = real_vllm.write_openmetrics(runs, fh, t0)
-    backfill(tmp / "series.om", tmp / "tsdb")
-    (tmp / "series.om").unlink()  # 160 MB of text, in the TSDB now
-    prom, url, log = start_prometheus(tmp, [])
-    try:
-        wait("backfilled vLLM series queryable", READY_S,
-             lambda: get_json(f"{url}/api/v1/query?query=vllm:num_requests_running&time={t0 + 60}")["data"]["result"],
-             prom)
+    # 160 MB of text: removed once it is in the TSDB
+    with backfilled_prometheus(tmp, tmp / "series.om", "vllm:num_requests_running", t0 + 60, keep_text=False) as url:
         yield url, spans
-    finally:
-        stop(prom)
-        log.close()
 
 
 @pytest.fixture(scope="module")

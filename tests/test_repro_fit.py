@@ -262,26 +262,18 @@ def test_a_window_read_from_prometheus_is_fitted_and_replayed(tmp_path, runs):
     """A real vLLM run backfilled into a real Prometheus, fitted with --from-prometheus over ten minutes."""
     import time
 
-    from prometheus_support import READY_S, backfill, get_json, start_prometheus, stop, wait
+    from prometheus_support import backfilled_prometheus
 
     r = runs["tp1_bs64_offloadoff"]
     block_s = 7200  # promtool writes two-hour blocks: the run moved into one, ending before now
     t0 = (int(time.time() - r.duration_s - 600) // block_s) * block_s
     with open(tmp_path / "series.om", "w") as fh:
         spans = real_vllm.write_openmetrics([r], fh, t0)
-    backfill(tmp_path / "series.om", tmp_path / "tsdb")
-    prom, url, log = start_prometheus(tmp_path, [])
-    try:
-        wait("backfilled series queryable", READY_S,
-             lambda: get_json(f"{url}/api/v1/query?query=vllm:num_requests_running&time={t0 + 60}")["data"]["result"],
-             prom)
+    with backfilled_prometheus(tmp_path, tmp_path / "series.om", "vllm:num_requests_running", t0 + 60) as url:
         first, _ = spans[r.node]
         res = _cli("repro", "--from-prometheus", url, "--node", r.node, "--from", f"{first + 300:.0f}",
                    "--to", f"{first + 900:.0f}", "--gpu", "NVIDIA B200", "--model", r.model,
                    "--serve-args", r.command, "--json")
-    finally:
-        stop(prom)
-        log.close()
     assert res.exit_code == 0, res.output + res.error
     doc = json.loads(res.output)
     assert doc["fit"]["knobs"]["max_num_seqs"] == 64 and doc["fit"]["initial_requests"] >= 60
