@@ -17,7 +17,7 @@ it exports them and the recorded series expected from them.
 
 from __future__ import annotations
 
-from gpudiag.catalog import HISTOGRAM, normalised
+from gpudiag.catalog import HISTOGRAM, NORMALISED_PREFIX, get, normalised
 from gpudiag.probes.engine_dialects import DIALECTS, Dialect, Series
 
 from .alerts import ENGINE_RULES_FILE, to_yaml
@@ -90,9 +90,38 @@ def recording_rules() -> list[dict]:
     return rules
 
 
+def recorded_names() -> frozenset[str]:
+    """Every name the rules record (histograms as their ``_bucket``, ``_sum`` and ``_count`` series)."""
+    return frozenset(r["record"] for r in recording_rules())
+
+
+def query_name(column: str) -> str:
+    """The name a dashboard or alert reads for a catalog column.
+
+    An engine-vocabulary column (vLLM's dialect in the catalog) that a rule records reads the
+    recorded ``gpudiag:<column>``, which every engine dialect feeds; a histogram counts as recorded
+    when its ``_bucket`` series is. Every other column (gpudiag's own, or an engine column no
+    dialect maps) reads its catalog name.
+    """
+    m = get(column)
+    if m.dialect == "gpudiag":
+        return m.name
+    recorded = normalised(column)
+    probe = recorded + "_bucket" if m.type == HISTOGRAM else recorded
+    return recorded if probe in _RECORDED else m.name
+
+
+def is_recorded(column: str) -> bool:
+    """True where :func:`query_name` reads the recorded name."""
+    return query_name(column).startswith(NORMALISED_PREFIX)
+
+
 def rule_groups() -> dict:
     """The rules file as a document."""
     return {"groups": [{"name": GROUP, "rules": recording_rules()}]}
+
+
+_RECORDED = recorded_names()
 
 
 # --- promtool tests ------------------------------------------------------------------------------

@@ -49,8 +49,9 @@ _FILTERS = (("node", "$node"), ("gpu", "$gpu"), ("process", "$process"))
 
 
 def name(column: str) -> str:
-    """The exported name of a catalog column."""
-    return catalog.get(column).name
+    """The name a query reads for a catalog column: the recorded ``gpudiag:<column>`` where engine_rules.yaml
+    normalises every engine dialect into it, the exported name otherwise (engine_rules.query_name)."""
+    return engine_rules.query_name(column)
 
 
 def unit(column: str, rate: bool = False) -> str:
@@ -71,8 +72,10 @@ def sel(column: str, extra: str = "", suffix: str = "") -> str:
 
 
 def help_of(column: str) -> str:
-    """The catalog help text, with the metric's exported name."""
+    """The catalog help text, with the name the panel reads (and, for a recorded name, vLLM's)."""
     m = catalog.get(column)
+    if engine_rules.is_recorded(column):
+        return f"{name(column)} ({m.name} or any engine's equivalent, recorded by {engine_rules.RULES_FILE}): {m.help}"
     return f"{m.name}: {m.help}"
 
 
@@ -195,6 +198,15 @@ def _increase(column: str, by: str, window: str = "5m") -> str:
 M = catalog.M
 BY_GPU = _by("node", "gpu")
 BY_PROC = _by("node", "gpu", "pid", "process")
+# The recorded engine series: an engine that names neither node nor GPU (SGLang, TensorRT-LLM...) is its
+# scrape target.
+BY_ENGINE = _by("node", "gpu", "instance")
+ENGINE_LEGEND = "{{node}} gpu{{gpu}} {{instance}}"
+
+
+def _hit_ratio() -> str:
+    """Prefix-cache hits over lookups per engine (the alert GpudiagKvCacheHitRatioLow's ratio)."""
+    return f"{_rate(M.prefix_cache_hits_total, BY_ENGINE)} / {_rate(M.prefix_cache_queries_total, BY_ENGINE)}"
 
 
 def node_gpu_wall(runbook_base_url: str = DEFAULT_RUNBOOK_BASE_URL) -> dict:
@@ -318,18 +330,19 @@ def memory(runbook_base_url: str = DEFAULT_RUNBOOK_BASE_URL) -> dict:
 def engine_kv(runbook_base_url: str = DEFAULT_RUNBOOK_BASE_URL) -> dict:
     """Queue, batch size, KV usage, evictions and preemptions, recompute share, prefix-cache hit rate."""
     b = _Board("gpudiag-engine-kv", "gpudiag / Engine and KV cache",
-               "The serving engine's view (vLLM's metric dialect and gpudiag's own engine metrics). Storm chain: "
+               "The serving engine's view: every engine dialect's series as engine_rules.yaml records them "
+               "(gpudiag:*), and gpudiag's own engine metrics. Storm chain: "
                "fragmentation -> KV allocation failure -> eviction -> recompute -> utilization oscillation -> "
                "decode latency.", ["engine", "kv"])
     b.row("Scheduling")
     b.panel("Requests running / waiting", help_of(M.num_requests_waiting), unit(M.num_requests_waiting),
-            [target(sel(M.num_requests_running), "{{node}} gpu{{gpu}} running"),
-             target(sel(M.num_requests_waiting), "{{node}} gpu{{gpu}} waiting")])
+            [target(sel(M.num_requests_running), f"{ENGINE_LEGEND} running"),
+             target(sel(M.num_requests_waiting), f"{ENGINE_LEGEND} waiting")])
     b.panel("Batch size", help_of(M.engine_batch_size), unit(M.engine_batch_size),
             [target(sel(M.engine_batch_size), "{{node}} gpu{{gpu}}")])
     b.row("KV cache")
     b.panel("KV cache usage", help_of(M.kv_cache_usage_perc), unit(M.kv_cache_usage_perc),
-            [target(sel(M.kv_cache_usage_perc), "{{node}} gpu{{gpu}}")],
+            [target(sel(M.kv_cache_usage_perc), ENGINE_LEGEND)],
             field_config={"defaults": {"min": 0, "max": 1}})
     b.panel("KV bytes used / reserved / capacity", help_of(M.engine_kv_reserved_bytes), unit(M.engine_kv_used_bytes),
             [target(sel(M.engine_kv_used_bytes), "{{node}} gpu{{gpu}} used"),
@@ -338,7 +351,7 @@ def engine_kv(runbook_base_url: str = DEFAULT_RUNBOOK_BASE_URL) -> dict:
     b.panel("Evictions and preemptions per second", help_of(M.engine_kv_evictions_total),
             unit(M.engine_kv_evictions_total, rate=True),
             [target(_rate(M.engine_kv_evictions_total, BY_GPU), "{{node}} gpu{{gpu}} evictions"),
-             target(_rate(M.num_preemptions_total, BY_GPU), "{{node}} gpu{{gpu}} preemptions"),
+             target(_rate(M.num_preemptions_total, BY_ENGINE), f"{ENGINE_LEGEND} preemptions"),
              target(_rate(M.engine_kv_alloc_failures_total, BY_GPU), "{{node}} gpu{{gpu}} KV alloc failures")])
     b.panel("Recompute share", "Tokens prefilled again after an eviction over all prefilled tokens. "
             + help_of(M.engine_recomputed_tokens_total), unit(M.kv_cache_usage_perc),
@@ -346,15 +359,14 @@ def engine_kv(runbook_base_url: str = DEFAULT_RUNBOOK_BASE_URL) -> dict:
                     "{{node}} gpu{{gpu}}")], field_config={"defaults": {"min": 0, "max": 1}})
     b.panel("Prefix-cache hit rate", "Prompt tokens found in the prefix cache over those looked up; the infra "
             "golden signal alerts below 0.7. " + help_of(M.prefix_cache_hits_total), unit(M.kv_cache_usage_perc),
-            [target(f"{_rate(M.prefix_cache_hits_total, BY_GPU)} / {_rate(M.prefix_cache_queries_total, BY_GPU)}",
-                    "{{node}} gpu{{gpu}}")], field_config={"defaults": {"min": 0, "max": 1}})
+            [target(_hit_ratio(), ENGINE_LEGEND)], field_config={"defaults": {"min": 0, "max": 1}})
     b.panel("Largest failed KV allocation", help_of(M.engine_kv_failed_request_bytes),
             unit(M.engine_kv_failed_request_bytes),
             [target(sel(M.engine_kv_failed_request_bytes), "{{node}} gpu{{gpu}}")])
     b.row("Traffic")
     b.panel("Tokens per second", help_of(M.generation_tokens_total), unit(M.generation_tokens_total, rate=True),
-            [target(_rate(M.prompt_tokens_total, BY_GPU), "{{node}} gpu{{gpu}} prefill"),
-             target(_rate(M.generation_tokens_total, BY_GPU), "{{node}} gpu{{gpu}} generated")])
+            [target(_rate(M.prompt_tokens_total, BY_ENGINE), f"{ENGINE_LEGEND} prefill"),
+             target(_rate(M.generation_tokens_total, BY_ENGINE), f"{ENGINE_LEGEND} generated")])
     b.panel("Requests per second", help_of(M.engine_requests_arrived_total),
             unit(M.engine_requests_arrived_total, rate=True),
             [target(_rate(M.engine_requests_arrived_total, BY_GPU), "{{node}} gpu{{gpu}} arrived"),
@@ -391,7 +403,8 @@ def service(runbook_base_url: str = DEFAULT_RUNBOOK_BASE_URL) -> dict:
                           ("End-to-end latency", M.e2e_request_latency_seconds),
                           ("Queue time", M.request_queue_time_seconds),
                           ("Prefill time", M.request_prefill_time_seconds)):
-        b.panel(f"{title} P50 / P99 / P99.9", help_of(column), unit(column), _quantile_targets(column))
+        b.panel(f"{title} P50 / P99 / P99.9", help_of(column), unit(column),
+                _quantile_targets(column, ("node", "gpu", "instance"), ENGINE_LEGEND))
     b.panel("Latency distribution (inter-token)", "Heatmap of the inter-token latency histogram. "
             + help_of(M.inter_token_latency_seconds), unit(M.inter_token_latency_seconds),
             [target(f"sum by (le) (rate({sel(M.inter_token_latency_seconds, suffix='_bucket')}[{RATE}]))",
@@ -435,8 +448,7 @@ def infra_health(runbook_base_url: str = DEFAULT_RUNBOOK_BASE_URL) -> dict:
     b.panel("GPU utilization (alert > 95 % for 5 min)", help_of(M.gpu_utilization_ratio), unit(M.gpu_utilization_ratio),
             [target(sel(M.gpu_utilization_ratio), "{{node}} gpu{{gpu}}")], field_config=steps(0.95))
     b.panel("Prefix-cache hit ratio (alert < 0.7)", help_of(M.prefix_cache_hits_total), unit(M.kv_cache_usage_perc),
-            [target(f"{_rate(M.prefix_cache_hits_total, BY_GPU)} / {_rate(M.prefix_cache_queries_total, BY_GPU)}",
-                    "{{node}} gpu{{gpu}}")], field_config=steps(0.7, below=True))
+            [target(_hit_ratio(), ENGINE_LEGEND)], field_config=steps(0.7, below=True))
     b.panel("GPU temperature (alert > 85 °C)", help_of(M.gpu_temperature_celsius), unit(M.gpu_temperature_celsius),
             [target(sel(M.gpu_temperature_celsius), "{{node}} gpu{{gpu}}")], field_config=steps(85))
     b.panel("Disk IO wait", f"{ext.NODE_CPU_SECONDS_TOTAL}{{mode=\"iowait\"}} from node_exporter: share of CPU time "
