@@ -454,3 +454,24 @@ def test_bad_serve_options_are_one_error_line_and_exit_2(cli, args, message):
     errors = [ln for ln in out.stderr.splitlines() if ln.startswith("gpudiag: error:")]
     assert len(errors) == 1 and message in errors[0], out.stderr
     assert "Traceback" not in out.stderr and out.stdout == ""
+
+
+@pytest.mark.parametrize("dialect, path, name", [("trtllm", "/prometheus/metrics", "trtllm_"),
+                                                 ("nim", "/v1/metrics", "num_requests_running")])
+def test_a_dialect_is_served_where_its_engine_serves_it(tmp_path, dialect, path, name):
+    """A scraper configured for trtllm-serve or NIM finds the page at that engine's path; /metrics still answers."""
+    server = Served(tmp_path, "--device", "sim", "--model-config", "llama-7b", "--dialect", dialect)
+    try:
+        status, _, body = server.generate(prompt="hello", max_tokens=4)
+        assert status == 200, body
+        pages = {}
+        for p in (path, "/metrics"):
+            status, _, text = server.request("GET", p)
+            assert status == 200, (p, text[:200])
+            pages[p] = text.decode()
+        assert name in pages[path] and "vllm:" not in pages[path]
+        assert pages[path].split("\n# EOF")[0].count("\n") > 10
+        status, _, text = server.request("GET", "/nowhere/metrics")
+        assert status == 404
+    finally:
+        server.stop()

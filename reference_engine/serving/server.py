@@ -1,4 +1,4 @@
-"""The reference engine over HTTP: /generate, /metrics in vLLM's dialect, /health, admission, graceful drain.
+"""The reference engine over HTTP: /generate, /metrics in vLLM's dialect (or another engine's, --dialect), /health, admission, graceful drain.
 
 Threads: the HTTP server answers each connection on its own thread; one
 engine thread owns the :class:`~.llm_engine.LLMEngine` and runs its steps.
@@ -38,6 +38,7 @@ from gpudiag.catalog import M
 from gpudiag.errors import GpudiagError
 from gpudiag.exposition import LatestFrames, encode_text, log_request_failure
 from gpudiag.frames import Frame
+from gpudiag.probes import engine_dialects
 from gpudiag.reference_engine.core.sequence import TIERS, Status
 from gpudiag.reference_engine.model.llm_engine import ENGINE_NAME, LLMEngine, LLMEngineConfig
 from gpudiag.reference_engine.serving.admission import AdmissionConfig, AdmissionController, ServingState, Verdict
@@ -184,6 +185,11 @@ class EngineServer:
         from gpudiag.reference_engine.serving.dialect_metrics import parse_spec, speaking_registry
 
         self.registry = speaking_registry(self.latest, parse_spec(cfg.dialect))
+        # The dialect's engine serves its page at its own path (trtllm-serve /prometheus/metrics, NIM
+        # /v1/metrics): the same page answers there too, so a scraper configured for the engine finds it.
+        spec = parse_spec(cfg.dialect)
+        dialect_paths = {engine_dialects.get(spec).metrics_path} if isinstance(spec, str) else set()
+        self.metrics_paths = {"/metrics"} | dialect_paths
         self.tracer = None
         self.reporter = None
         self.model_info: dict = {}
@@ -459,6 +465,8 @@ def _handler_class(server: EngineServer):
         def _route(self) -> str | None:
             """The request's path when its method is one the path answers; else answer 404 or 405, None."""
             path = self.path.split("?", 1)[0]
+            if path in server.metrics_paths:
+                path = "/metrics"
             allowed = ROUTES.get(path)
             if allowed is None:
                 self.close_connection = True
