@@ -1,4 +1,4 @@
-"""The reference engine over HTTP: /generate, /metrics in vLLM's dialect (or another engine's, --dialect), /health, admission, graceful drain.
+"""The reference engine over HTTP: /generate, /metrics (vLLM's dialect or --dialect), /health, admission, drain.
 
 Threads: the HTTP server answers each connection on its own thread; one
 engine thread owns the :class:`~.llm_engine.LLMEngine` and runs its steps.
