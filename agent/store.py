@@ -83,25 +83,26 @@ import zstandard
 from gpudiag.catalog import CATALOG, M
 from gpudiag.errors import GpudiagError
 from gpudiag.frames import (
-    _NAN,
     FRAME_KINDS,
     LEAF_BOOLS,
     DictColumn,
     Frame,
     FrameColumns,
+    NAN,
     LazyColumns,
     Table,
     Window,
-    _cut_codes,
-    _fill_of,
-    _is_na,
-    _live_dtype,
-    _merge_codes,
-    _sorted_codes,
+    cut_codes,
+    fill_of,
+    is_na,
+    live_dtype,
+    merge_codes,
+    sorted_codes,
 )
-from gpudiag.frames import _concat_columns as _concat_frames_columns
-from gpudiag.frames import _factorize as _factorize_table_column
+from gpudiag.frames import concat_columns as concat_frames_columns
+from gpudiag.frames import factorize as factorize_table_column
 from gpudiag.frames import object_array as _objects
+
 
 log = logging.getLogger("gpudiag.agent.store")
 
@@ -1122,7 +1123,7 @@ def _codes(part, width: int, n: int, size: int) -> np.ndarray:
     return codes
 
 
-def _label_lookup(values: list, missing=_NAN) -> np.ndarray:
+def _label_lookup(values: list, missing=NAN) -> np.ndarray:
     """Code -> value object array of a coded column; code -1 (the last entry) reads as ``missing``."""
     lookup = np.empty(len(values) + 1, dtype=object)
     lookup[:-1] = values
@@ -1190,13 +1191,13 @@ def _decode_column(meta: dict, cur: _Cursor, n: int, labels: dict | None = None,
     if as_labels:
         labels[meta["name"]] = (codes, values)
     # A missing label reads as NaN, as a pandas string column holds it.
-    return _label_lookup(values, _NAN if as_labels else None)[codes]
+    return _label_lookup(values, NAN if as_labels else None)[codes]
 
 
 def _factorize_numbers(a: np.ndarray) -> tuple[np.ndarray, list]:
     """:func:`_factorize` of a non-empty integer or bool column: the same codes and uniques (Python
     values, in order of appearance), from the window's sorted factorization renumbered by first row."""
-    codes, uniques = _factorize_table_column(a)
+    codes, uniques = factorize_table_column(a)
     n, k = len(codes), len(uniques)
     first = np.full(k, n, dtype=np.int64)
     np.minimum.at(first, codes, np.arange(n, dtype=np.int64))
@@ -1437,7 +1438,7 @@ def decode_table(block: bytes) -> Table:
     labels: dict = {}
     n, columns, labels = _decode(block, raw=True, labels=labels)
     cols = {name: (_frames_dict_column(a, n) if isinstance(a, _DictColumn) else a) for name, a in columns.items()}
-    codes = {name: _sorted_codes(c.astype(np.int64), list(values)) for name, (c, values) in labels.items()}
+    codes = {name: sorted_codes(c.astype(np.int64), list(values)) for name, (c, values) in labels.items()}
     return Table(n, cols, codes=codes)
 
 
@@ -1685,7 +1686,7 @@ class _WindowBlock:
             return table.codes("node")[0] == (-2 if code is None else code)
         codes, values = self.stored("node")
         try:
-            code = None if _is_na(node) else {v: i for i, v in enumerate(values)}.get(node)
+            code = None if is_na(node) else {v: i for i, v in enumerate(values)}.get(node)
         except TypeError:
             code = None
         if code is None:
@@ -1749,7 +1750,7 @@ class _ColumnOut:
             self.codes = np.empty(total, dtype=np.int32)
             return
         self.mode = "array"
-        dtype = _live_dtype(dtypes)  # Table.concat's promotion: float64 for mixed numbers, else object
+        dtype = live_dtype(dtypes)  # Table.concat's promotion: float64 for mixed numbers, else object
         self.out = np.empty(total, dtype=dtype)
         # Numbers in every block: such a column can be read a block at a time (entity runs, a few rows).
         self.numeric = not missing and dtype.kind in "iufb"
@@ -1757,7 +1758,7 @@ class _ColumnOut:
             at = 0
             for b, m in zip(blocks, metas):
                 if m is None:
-                    self.out[at:at + b.k] = _fill_of(dtype)
+                    self.out[at:at + b.k] = fill_of(dtype)
                 at += b.k
         if dtype == _OBJECT and not missing and all(d == _OBJECT for d in present):
             self.part_codes = [None] * len(blocks)  # each block's label codes, merged when asked
@@ -1786,7 +1787,7 @@ class _ColumnOut:
             codes = codes.copy() if src is None else codes[src]  # not a view that holds the block's payload
             dst[...] = _label_lookup(values)[codes]
             if self.part_codes is not None:
-                self.part_codes[i] = lambda: _sorted_codes(codes.astype(np.int64), list(values))
+                self.part_codes[i] = lambda: sorted_codes(codes.astype(np.int64), list(values))
             return
         if src is None:
             dst[...] = a
@@ -1796,15 +1797,15 @@ class _ColumnOut:
             dst[...] = a[src]
         if self.part_codes is not None:
             if block.cut is None:
-                self.part_codes[i] = lambda: _factorize_table_column(dst)
+                self.part_codes[i] = lambda: factorize_table_column(dst)
             else:
                 full, cut = (a if block.inverse is None else a[block.inverse]), block.cut
-                self.part_codes[i] = lambda: _cut_codes(_factorize_table_column(full), cut)
+                self.part_codes[i] = lambda: cut_codes(factorize_table_column(full), cut)
 
     def column(self, sizes: list[int]):
         """The finished column."""
         if self.mode == "parts":
-            return _concat_frames_columns(self.parts, sizes)
+            return concat_frames_columns(self.parts, sizes)
         if self.mode == "labels":
             return _label_lookup(self.uniques)[self.codes]
         return self.out
@@ -1814,7 +1815,7 @@ class _ColumnOut:
         if self.part_codes is None:
             return None
         parts = self.part_codes
-        return lambda: _merge_codes([f() for f in parts])
+        return lambda: merge_codes([f() for f in parts])
 
 
 class _EntityRuns:
@@ -1825,7 +1826,7 @@ class _EntityRuns:
     columns is, block after block, the runs of stored rows that share those labels:
     :meth:`Table.groups` gets the row positions of each group from those runs in one pass,
     where a sort of the whole window by the labels' codes would cost a factorize and an
-    argsort of every row. Groups are ordered as :func:`gpudiag.frames._group` orders them
+    argsort of every row. Groups are ordered as :meth:`gpudiag.frames.Table.groups` orders them
     (sorted values, the missing label last); None (sort instead) for a dict column or
     labels that do not sort.
     """
@@ -1861,7 +1862,7 @@ class _EntityRuns:
     def _levels(self, keys):
         levels = []
         for name in keys:
-            if name in self.table._codes:  # a label column: its codes, without making its values
+            if self.table.has_codes(name):  # a label column: its codes, without making its values
                 codes, uniques = self.table.codes(name)
                 levels.append(("codes", codes, uniques))
                 continue
@@ -1943,10 +1944,10 @@ class _EntityRuns:
                 rank = []
                 for (kind, _, uniques), x in zip(levels, raw):
                     if kind == "codes":
-                        key.append(uniques[x] if x >= 0 else _NAN)
+                        key.append(uniques[x] if x >= 0 else NAN)
                         rank.append(x if x >= 0 else len(uniques))
                     elif kind == "float" and x != x:
-                        key.append(_NAN)
+                        key.append(NAN)
                         rank.append((1, 0.0))
                     else:
                         key.append(x)
@@ -2049,12 +2050,13 @@ def _window_table(blocks: list[bytes], start_s: float, end_s: float, node: str |
     table = Table(total, columns, codes=codes)
     if later:
         # A column's part codes are known once its blocks are decoded: make the column first.
-        table._code_source = lambda name: (table.columns[name], later[name]())[1] if name in later else None
+        table.set_sources(codes=lambda name: (table.columns[name], later[name]())[1] if name in later else None)
     ordered = table.sorted()
     if ordered is table:
-        table._group_source = runs = _EntityRuns(table, starts, entity_orders, kept if lazy else None, outs)
+        runs = _EntityRuns(table, starts, entity_orders, kept if lazy else None, outs)
+        table.set_sources(groups=runs)
         if lazy:
-            table._direct_source = lambda keys: _grouped_maker(outs, kept, runs.runs.get(keys), guard)
+            table.set_sources(direct=lambda keys: _grouped_maker(outs, kept, runs.runs.get(keys), guard))
     return ordered
 
 

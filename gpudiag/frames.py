@@ -66,7 +66,9 @@ class Frame:
 
 # --- value kinds ------------------------------------------------------------------------------
 
-_NAN = float("nan")
+# The one NaN object a missing label or object value reads as: keys that hold it compare equal
+# by identity (a tuple of two float("nan") objects does not).
+NAN = float("nan")
 # Per Python type, how a column of it is stored: i(nt), f(loat), b(ool), n(one), s(tr), d(ict), o(bject).
 _KIND_OF_TYPE: dict[type, str] = {int: "i", float: "f", bool: "b", type(None): "n", str: "s", dict: "d"}
 
@@ -90,7 +92,7 @@ def _kind_of(tp: type) -> str:
     return k
 
 
-def _is_na(v) -> bool:
+def is_na(v) -> bool:
     return v is None or (isinstance(v, float) and v != v)
 
 
@@ -381,7 +383,7 @@ class DictColumn:
         for k, i in enumerate(rows):
             lid = self.layout[i]
             if lid < 0:
-                out[k] = self.other.get(i, _NAN)
+                out[k] = self.other.get(i, NAN)
                 continue
             d: dict = {}
             for path, kind in self.layouts[lid]:
@@ -412,7 +414,7 @@ class DictColumn:
         for lid, at in layout_groups(lay):
             if lid < 0:
                 if other_value is not None:
-                    out[at] = [other_value(self.other.get(int(i), _NAN)) for i in rows[at].tolist()]
+                    out[at] = [other_value(self.other.get(int(i), NAN)) for i in rows[at].tolist()]
                 continue
             chosen = select(self.layouts[lid])
             if isinstance(chosen, float):
@@ -518,16 +520,16 @@ def _column_from_pieces(n: int, pieces: list[tuple[np.ndarray | None, tuple]], k
     dtype = _plain_dtype(kinds, covered < n)
     if dtype is not None:
         try:
-            return _scatter(n, pieces, dtype, _fill_of(dtype))
+            return _scatter(n, pieces, dtype, fill_of(dtype))
         except (OverflowError, TypeError, ValueError):
             pass
-    out = np.full(n, _NAN, dtype=object)
+    out = np.full(n, NAN, dtype=object)
     strings = kinds <= {"s", "n"}
     for positions, values in pieces:
         vals = np.empty(len(values), dtype=object)
         vals[:] = list(values)
         if strings:  # pandas' string columns hold NaN for None and for absent values alike
-            vals[np.equal(vals, None)] = _NAN
+            vals[np.equal(vals, None)] = NAN
         if positions is None:
             out[:] = vals
         else:
@@ -573,20 +575,20 @@ def _column_from_chunks(name: str, chunks: list[FrameColumns], sizes: list[int],
     dtype = _plain_dtype(kinds, missing)
     if dtype is not None:
         try:
-            out = np.full(n, _fill_of(dtype), dtype=dtype)
+            out = np.full(n, fill_of(dtype), dtype=dtype)
             for start, a, _, values in parts:  # objects (all None, huge ints) value by value, as _scatter
                 out[start:start + len(a)] = a if values is None else np.array(a.tolist(), dtype=dtype)
             return out
         except (OverflowError, TypeError, ValueError):
             pass
-    out = np.full(n, _NAN, dtype=object)
+    out = np.full(n, NAN, dtype=object)
     strings = kinds <= {"s", "n"}
     for start, a, absent, _ in parts:
         vals = a.astype(object)
         if strings:  # pandas' string columns hold NaN for None and for absent values alike
-            vals[np.equal(vals, None)] = _NAN
+            vals[np.equal(vals, None)] = NAN
         elif absent is not None:
-            vals[absent] = _NAN
+            vals[absent] = NAN
         out[start:start + len(a)] = vals
     return out
 
@@ -613,7 +615,7 @@ def _scatter(n: int, pieces, dtype, fill) -> np.ndarray:
     return out
 
 
-def _concat_columns(parts: list, sizes: list[int]):
+def concat_columns(parts: list, sizes: list[int]):
     """Columns of one name from consecutive tables (None where a table lacks it), promoted as pandas.concat does."""
     present = [p for p in parts if p is not None]
     if any(isinstance(p, DictColumn) for p in present):
@@ -629,7 +631,7 @@ def _concat_columns(parts: list, sizes: list[int]):
     if kinds <= {"i", "u", "f"}:
         dtype, fill = np.float64, np.nan
     else:
-        dtype, fill = object, _NAN
+        dtype, fill = object, NAN
     out = []
     for p, size in zip(parts, sizes):
         if p is None:
@@ -643,7 +645,7 @@ def _take(col, idx):
     return col.take(idx) if isinstance(col, DictColumn) else col[idx]
 
 
-def _factorize(values: np.ndarray) -> tuple[np.ndarray, list]:
+def factorize(values: np.ndarray) -> tuple[np.ndarray, list]:
     """(codes, uniques): codes index the sorted uniques, -1 for NaN/None; ints by a dense lookup when they allow."""
     n = len(values)
     if values.dtype.kind in "iub":
@@ -671,7 +673,7 @@ def _factorize(values: np.ndarray) -> tuple[np.ndarray, list]:
         finite = values[ok]
         whole = finite == np.round(finite)
         if whole.all() and np.abs(finite).max() < 2**52:
-            sub, uniq = _factorize(finite.astype(np.int64))
+            sub, uniq = factorize(finite.astype(np.int64))
             codes[ok] = sub
             return codes, [float(u) for u in uniq]
         uniq, sub = np.unique(finite, return_inverse=True)
@@ -689,7 +691,7 @@ def _factorize_objects(values: np.ndarray) -> tuple[np.ndarray, list]:
         except TypeError:  # unhashable values (lists): below, by their repr
             pass
         else:
-            return _sorted_codes(codes.astype(np.int64), list(uniques))
+            return sorted_codes(codes.astype(np.int64), list(uniques))
     lookup: dict = {}
     codes = np.empty(len(values), dtype=np.int64)
     na = []
@@ -703,10 +705,10 @@ def _factorize_objects(values: np.ndarray) -> tuple[np.ndarray, list]:
             codes[i] = lookup.setdefault(repr(v), len(lookup))
     uniques = list(lookup)
     codes[na] = -1
-    return _sorted_codes(codes, uniques)
+    return sorted_codes(codes, uniques)
 
 
-def _sorted_codes(codes: np.ndarray, uniques: list) -> tuple[np.ndarray, list]:
+def sorted_codes(codes: np.ndarray, uniques: list) -> tuple[np.ndarray, list]:
     """Renumber codes so that they index ``uniques`` sorted (as groupby orders keys); unsortable ones keep order."""
     try:
         order = sorted(range(len(uniques)), key=uniques.__getitem__)
@@ -835,6 +837,38 @@ class Table:
     def __len__(self) -> int:
         return self.n
 
+    def set_sources(self, *, codes: Callable[[str], tuple[np.ndarray, list] | None] | None = None,
+                    groups: Callable[[tuple], tuple[list[tuple], list[np.ndarray]] | None] | None = None,
+                    direct: Callable[[tuple], Callable[[str], np.ndarray | None] | None] | None = None,
+                    distinct: Callable[[str], list | None] | None = None) -> Table:
+        """Where this table takes what it would otherwise compute from its values; returns the table.
+
+        Whoever made the table may know more than its values tell: the parts it was joined
+        from, the chunks it was read from, an index kept as rows came in. Each source is a
+        function that answers, or answers None to let the table compute it:
+
+        * ``codes(name)``: (codes, sorted uniques) of an object column, as :meth:`codes` gives them;
+        * ``groups(keys)``: what :meth:`groups` returns for ``keys``;
+        * ``direct(keys)``: a function making a column not made yet straight in the order of
+          those groups (or None), for :meth:`entity_column`;
+        * ``distinct(name)``: a column's distinct values without its codes, for :meth:`distinct`.
+
+        A source left out keeps the one the table has.
+        """
+        if codes is not None:
+            self._code_source = codes
+        if groups is not None:
+            self._group_source = groups
+        if direct is not None:
+            self._direct_source = direct
+        if distinct is not None:
+            self._distinct_source = distinct
+        return self
+
+    def has_codes(self, name: str) -> bool:
+        """Whether column ``name``'s label codes are known already (handed in or made), without making them."""
+        return name in self._codes
+
     # -- building ------------------------------------------------------------------------------
     @classmethod
     def from_frames(cls, frames: Iterable[tuple[float, list[dict[str, Any]]]], skip: tuple = ()) -> Table:
@@ -922,7 +956,7 @@ class Table:
             return tables[0]
         sizes = [t.n for t in tables]
         names = list(dict.fromkeys(name for t in tables for name in t.columns))
-        columns = {name: _concat_columns([t.columns.get(name) for t in tables], sizes) for name in names}
+        columns = {name: concat_columns([t.columns.get(name) for t in tables], sizes) for name in names}
         out = cls(sum(sizes), columns)
 
         def from_parts(name):
@@ -930,10 +964,10 @@ class Table:
             if isinstance(arr, np.ndarray) and arr.dtype == object \
                     and all(isinstance(t.columns.get(name), np.ndarray) and t.columns[name].dtype == object
                             for t in tables):
-                return _merge_codes([t.codes(name) for t in tables])
+                return merge_codes([t.codes(name) for t in tables])
             return None
 
-        out._code_source = from_parts
+        out.set_sources(codes=from_parts)
         return out.sorted()
 
     def sorted(self) -> Table:
@@ -945,17 +979,16 @@ class Table:
 
     def with_columns(self, names) -> Table:
         """The same rows with only the columns ``names`` it has (codes kept)."""
-        out = Table(self.n, {k: self.columns[k] for k in names if k in self.columns})
-        out._codes = {k: v for k, v in self._codes.items() if k in out.columns}
-        out._code_source = self._code_source
-        return out
+        columns = {k: self.columns[k] for k in names if k in self.columns}
+        out = Table(self.n, columns, codes={k: v for k, v in self._codes.items() if k in columns})
+        return out.set_sources(codes=self._code_source)
 
     def take(self, idx: np.ndarray) -> Table:
         """The rows at positions ``idx`` as a new table."""
         idx = np.asarray(idx, dtype=np.int64)
         out = Table(len(idx), {name: _take(col, idx) for name, col in self.columns.items()},
                     None if self.source is None else self.source.iloc[idx])
-        out._code_source = lambda name: _cut_codes(self.codes(name), idx)
+        out.set_sources(codes=lambda name: cut_codes(self.codes(name), idx))
         return out
 
     def slice(self, start: int, stop: int) -> Table:
@@ -966,7 +999,7 @@ class Table:
             return self.take(np.arange(start, stop))
         out = Table(stop - start, {name: (col.slice(start, stop) if isinstance(col, DictColumn) else col[start:stop])
                                    for name, col in self.columns.items()})
-        out._code_source = lambda name: _cut_codes(self.codes(name), slice(start, stop))
+        out.set_sources(codes=lambda name: cut_codes(self.codes(name), slice(start, stop)))
         return out
 
     # -- reading -----------------------------------------------------------------------------
@@ -978,7 +1011,7 @@ class Table:
             if self._code_source is not None and isinstance(col, np.ndarray) and col.dtype == object:
                 got = self._code_source(name)
             if got is None:
-                got = _factorize(col.to_objects() if isinstance(col, DictColumn) else col)
+                got = factorize(col.to_objects() if isinstance(col, DictColumn) else col)
             self._codes[name] = got
         return got
 
@@ -1001,7 +1034,7 @@ class Table:
 
     def code_of(self, name: str, value) -> int | None:
         """The code ``value`` has in column ``name`` (None when no row holds it; NaN matches nothing, as ``==``)."""
-        if _is_na(value):
+        if is_na(value):
             return None
         lookup = self._lookup.get(name)
         if lookup is None:
@@ -1039,7 +1072,7 @@ class Table:
             if col is None:
                 got = False
             elif isinstance(col, DictColumn):
-                got = bool((col.layout >= 0).any()) or any(not _is_na(v) for v in col.other.values())
+                got = bool((col.layout >= 0).any()) or any(not is_na(v) for v in col.other.values())
             else:
                 got = bool(np.any(~_isna_array(col)))
             self._has[name] = got
@@ -1109,7 +1142,7 @@ class Table:
         got = self._lookups.get(keys)
         if got is None:
             got = self._lookups[keys] = {k: g for g, k in enumerate(self.groups(keys)[0])
-                                         if not any(_is_na(v) for v in k)}
+                                         if not any(is_na(v) for v in k)}
         return got
 
     def release(self) -> None:
@@ -1121,8 +1154,7 @@ class Table:
         """
         for entities in self._entities.values():
             for _, rows in entities:
-                rows._cols.clear()
-                rows._layout = None
+                rows.release()
         self._groups.clear()
         self._entities.clear()
         self._lookups.clear()
@@ -1144,7 +1176,7 @@ class Table:
         return self._frame
 
 
-def _cut_codes(got: tuple[np.ndarray, list], where) -> tuple[np.ndarray, list]:
+def cut_codes(got: tuple[np.ndarray, list], where) -> tuple[np.ndarray, list]:
     codes, uniques = got
     return codes[where], uniques
 
@@ -1158,7 +1190,7 @@ def held_uniques(codes: np.ndarray, uniques: list) -> list:
     return [uniques[k] for k in np.flatnonzero(np.bincount(codes[codes >= 0], minlength=len(uniques))).tolist()]
 
 
-def _merge_codes(parts: list[tuple[np.ndarray, list]]) -> tuple[np.ndarray, list]:
+def merge_codes(parts: list[tuple[np.ndarray, list]]) -> tuple[np.ndarray, list]:
     lookup: dict = {}
     remaps = []
     for _, uniques in parts:
@@ -1236,7 +1268,7 @@ def _group(table: Table, idx: np.ndarray | None, keys: tuple[str, ...]):
     counts = np.bincount(dense, minlength=n_groups)
     starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     first = local[starts[:-1]]
-    columns = [[uniques[j] if j < len(uniques) else _NAN for j in c[first].tolist()] for c, uniques in levels]
+    columns = [[uniques[j] if j < len(uniques) else NAN for j in c[first].tolist()] for c, uniques in levels]
     group_keys = list(zip(*columns)) if columns else [() for _ in range(n_groups)]
     order = local if idx is None else idx[local]
     return group_keys, order, starts, dense
@@ -1254,7 +1286,7 @@ def _promote(a: np.dtype, b: np.dtype) -> np.dtype:
     return np.dtype(object)
 
 
-def _live_dtype(signatures: list) -> np.dtype | None:
+def live_dtype(signatures: list) -> np.dtype | None:
     """The dtype of the join of chunks whose column had these dtypes (None: the chunk lacked it)."""
     present = [d for d in signatures if d is not None]
     if not present:
@@ -1273,8 +1305,8 @@ def _readonly(view: np.ndarray) -> np.ndarray:
     return view
 
 
-def _fill_of(dtype: np.dtype):
-    return {"f": np.nan, "O": _NAN, "b": False}.get(dtype.kind, 0)
+def fill_of(dtype: np.dtype):
+    return {"f": np.nan, "O": NAN, "b": False}.get(dtype.kind, 0)
 
 
 class _Chunk:
@@ -1425,10 +1457,10 @@ class _EntityIndex:
                     return None
                 v = col[first]
                 v = v.item() if isinstance(v, np.generic) else v
-                key.append(_NAN if _is_na(v) else v)
+                key.append(NAN if is_na(v) else v)
             entries.append((tuple(key), part))
         try:
-            entries.sort(key=lambda kp: tuple((1, 0) if _is_na(v) else (0, v) for v in kp[0]))
+            entries.sort(key=lambda kp: tuple((1, 0) if is_na(v) else (0, v) for v in kp[0]))
         except TypeError:  # labels of mixed types: the sort by codes decides
             return None
         return [k for k, _ in entries], [p for _, p in entries]
@@ -1547,7 +1579,7 @@ class TableBuffer:
                                                                  else np.dtype(object))
                 if self._stop == self._start:
                     dtype = col.dtype  # nothing before it: its own type
-                buf = np.full(self._cap, _fill_of(dtype), dtype=dtype)
+                buf = np.full(self._cap, fill_of(dtype), dtype=dtype)
             self._cols[name] = buf
         if isinstance(buf, _DictBuffer):
             buf.write(col, s, e)
@@ -1561,7 +1593,7 @@ class TableBuffer:
         if col is None:
             if buf.dtype.kind not in "fO":
                 buf = self._cols[name] = buf.astype(np.float64 if buf.dtype.kind in "iu" else object)
-            buf[s:e] = _fill_of(buf.dtype)
+            buf[s:e] = fill_of(buf.dtype)
             return
         target = _promote(buf.dtype, col.dtype)
         if target != buf.dtype:
@@ -1581,7 +1613,7 @@ class TableBuffer:
                 columns[name] = buf.view(a, b)
                 continue
             view = _readonly(buf[a:b])
-            want = _live_dtype(sigs)
+            want = live_dtype(sigs)
             if want is not None and want != view.dtype:
                 view = view.astype(want)
             columns[name] = view
@@ -1598,14 +1630,14 @@ class TableBuffer:
             for c in chunks:
                 got = c.codes.get(name)
                 if got is None:
-                    got = c.codes[name] = _factorize(full[c.start:c.stop])
+                    got = c.codes[name] = factorize(full[c.start:c.stop])
                 lo = max(a - c.start, 0)
                 parts.append(got if lo == 0 else (got[0][lo:], got[1]))
             return parts
 
         def from_chunks(name):
             parts = chunk_codes(name)
-            return None if parts is None else _merge_codes(parts)
+            return None if parts is None else merge_codes(parts)
 
         def distinct(name):
             parts = chunk_codes(name)
@@ -1620,8 +1652,7 @@ class TableBuffer:
                 seen.update(dict.fromkeys(uniques))
             return list(seen)
 
-        out._code_source = from_chunks
-        out._distinct_source = distinct
+        out.set_sources(codes=from_chunks, distinct=distinct)
         version = self._version
 
         def from_index(keys):
@@ -1636,8 +1667,7 @@ class TableBuffer:
                     index.add(key, order[starts[g]:starts[g + 1]] + a)
             return index.window(out, a)
 
-        out._group_source = from_index
-        return out
+        return out.set_sources(groups=from_index)
 
 
 # --- DataFrame-like views ------------------------------------------------------------------------
@@ -1900,6 +1930,11 @@ class Rows:
         # Rows selected from other rows: columns already read there are cut from those, not the table.
         self._parent, self._local = parent, local
         self._layout = layout  # (the table's entity groups, this group's number) for whole-table groups
+
+    def release(self) -> None:
+        """Drop the columns gathered for these rows and their place in the table's entity groups."""
+        self._cols.clear()
+        self._layout = None
 
     def _parent_column(self, name: str) -> Column | None:
         parent = self._parent
@@ -2180,7 +2215,7 @@ class _ColumnGroupBy:
             order = np.searchsorted(rows._idx, order)
         # groupby drops missing keys (dropna=True by default): they sort last.
         n_groups = len(keys)
-        if n_groups and _is_na(keys[-1][0]):
+        if n_groups and is_na(keys[-1][0]):
             n_groups -= 1
         v = values.astype(float)[order][:starts[n_groups]]
         at = starts[:n_groups]
@@ -2409,7 +2444,7 @@ class Column:
             if na.any():
                 rows = np.arange(col.n) if idx is None else idx
                 at = np.flatnonzero(na)
-                na[at] = [_is_na(col.other.get(int(i), _NAN)) for i in rows[at].tolist()]
+                na[at] = [is_na(col.other.get(int(i), NAN)) for i in rows[at].tolist()]
         else:
             got = self._object_codes()
             na = got[0] < 0 if got is not None else _isna_array(self.values)
