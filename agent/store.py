@@ -85,10 +85,10 @@ from gpudiag.errors import GpudiagError
 from gpudiag.frames import (
     FRAME_KINDS,
     LEAF_BOOLS,
+    NAN,
     DictColumn,
     Frame,
     FrameColumns,
-    NAN,
     LazyColumns,
     Table,
     Window,
@@ -102,7 +102,6 @@ from gpudiag.frames import (
 from gpudiag.frames import concat_columns as concat_frames_columns
 from gpudiag.frames import factorize as factorize_table_column
 from gpudiag.frames import object_array as _objects
-
 
 log = logging.getLogger("gpudiag.agent.store")
 
@@ -1723,8 +1722,9 @@ class _ColumnOut:
 
     ``mode`` is ``labels`` (a string column in every block: codes merged once, then the
     labels looked up once; not a column of mostly distinct values, see DISTINCT_PER_ROW_SHARE),
-    ``array`` (numbers or objects, promoted as Table.concat promotes them) or ``parts`` (dict columns: each block's part is built as decode_table builds it
-    and the parts are joined by Table.concat's own rule).
+    ``array`` (numbers or objects, promoted as Table.concat promotes them) or ``parts``
+    (dict columns: each block's part is built as decode_table builds it and the parts are
+    joined by Table.concat's own rule).
     """
 
     def __init__(self, name: str, blocks: list[_WindowBlock], total: int):
