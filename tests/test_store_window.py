@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 import zstandard
 
-from gpudiag.agent.store import Store, _window_table, decode_table, encode_block
+from gpudiag.agent.store import Store, decode_table, encode_block
+from gpudiag.agent.store.reader import _window_table
 from gpudiag.catalog import M
 from gpudiag.frames import DictColumn, Frame, FrameColumns, Table
 
@@ -260,7 +261,7 @@ def test_a_steady_nodes_repeated_blocks_give_the_groups_a_sort_gives_when_one_la
     # Blocks of the same entities in the same stored order repeat the block before's runs; a block in
     # which one row's label differs (a renamed process, a pid lost to NaN, a GPU label that moves)
     # must not be taken for a repeat.
-    from gpudiag.agent import store as store_module
+    from gpudiag.agent.store import reader as store_reader
 
     def block(b: int, change: str | None) -> bytes:
         frames = []
@@ -282,8 +283,8 @@ def test_a_steady_nodes_repeated_blocks_give_the_groups_a_sort_gives_when_one_la
         return encode_block(columns, n)
 
     taken = []
-    repeats = store_module._EntityRuns._repeats
-    monkeypatch.setattr(store_module._EntityRuns, "_repeats",
+    repeats = store_reader._EntityRuns._repeats
+    monkeypatch.setattr(store_reader._EntityRuns, "_repeats",
                         staticmethod(lambda *a: taken.append(repeats(*a)) or taken[-1]))
     changes = [None, None, "renamed", None, None, "pid lost", "pid lost", "gpu moved", None]
     blocks = [block(b, c) for b, c in enumerate(changes)]
