@@ -727,12 +727,12 @@ class Agent:
                                        cfg.get("probes.engine_interval_s"), self._ingest))
             self.unavailable["ebpf"] = "not used with --sim (no real CUDA processes)"
             return slots
-        from gpudiag.commands.top import _unique_names, open_probes
+        from gpudiag.commands.top import open_probes, unique_names
 
         probes = open_probes(None, engine_urls=engine_urls)
         intervals = {"nvml": cfg.get("probes.nvml_interval_s"), "host": cfg.get("probes.host_interval_s"),
                      "torch": cfg.get("probes.torch_interval_s")}
-        for key, p in zip(_unique_names(probes), probes):
+        for key, p in zip(unique_names(probes), probes):
             interval = intervals.get(p.name, cfg.get("probes.engine_interval_s") if p.name == "engine" else 1.0)
             slots.append(ProbeSlot(key, p, interval, self._ingest))
         mode = cfg.get("probes.ebpf")

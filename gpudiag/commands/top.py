@@ -488,7 +488,7 @@ class TopModel:
                  latency_window_s: float = 60.0, findings: OpenFindings | AgentFindings | None = None,
                  local: LocalFindings | None = None):
         self.probes = probes
-        self.keys = _unique_names(probes)
+        self.keys = unique_names(probes)
         self.sim = sim
         self.node = node or socket.gethostname()
         # Imported here, not at the top: numpy and the frame tables take a few hundred ms to import,
@@ -574,7 +574,7 @@ def starting_view(sim: str | None, waiting_for: str, node: str | None = None) ->
             "processes": [], "engines": [], "probes": {}, "errors": {}, "starting": waiting_for}
 
 
-def _unique_names(probes: list[Probe]) -> list[str]:
+def unique_names(probes: list[Probe]) -> list[str]:
     """Probe names, numbered where several share one (two engine endpoints: engine, engine2)."""
     seen: dict[str, int] = {}
     out = []
