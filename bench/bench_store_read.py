@@ -174,6 +174,23 @@ def build(path: str, t0: float, span_s: int) -> dict[str, int]:
     return written
 
 
+def kept_store(path: str, span_s: int, rebuild: bool) -> tuple[float, dict[str, int]]:
+    """(first t, rows written per kind) of the store at ``path``, written first when it is not there (or asked)."""
+    about = path + ".json"
+    if not rebuild and os.path.exists(path) and os.path.exists(about):
+        with open(about) as fh:
+            known = json.load(fh)
+        if known.get("span_s") == span_s:
+            return known["t0"], known["written"]
+    t0 = float(int(time.time()) - span_s - 60)
+    started = time.perf_counter()
+    written = build(path, t0, span_s)
+    with open(about, "w") as fh:
+        json.dump({"t0": t0, "span_s": span_s, "written": written}, fh)
+    print(f"store written in {time.perf_counter() - started:.0f} s: {os.path.getsize(path) / 2**20:.0f} MiB")
+    return t0, written
+
+
 def code_env(code: str | None) -> tuple[dict, str | None]:
     """The environment and working folder that make a child import gpudiag from ``code`` (None: this checkout)."""
     if code is None:
@@ -200,17 +217,7 @@ def main() -> int:
     ap.add_argument("--code", help="also read with the gpudiag of this checkout, side by side")
     args = ap.parse_args()
     span_s = int(args.hours * 3600)
-    meta = args.store + ".json"
-    known = json.load(open(meta)) if os.path.exists(meta) and os.path.exists(args.store) else None
-    if args.rebuild or known is None or known.get("span_s") != span_s:
-        t0 = float(int(time.time()) - span_s - 60)
-        started = time.perf_counter()
-        written = build(args.store, t0, span_s)
-        known = {"t0": t0, "span_s": span_s, "written": written}
-        with open(meta, "w") as fh:
-            json.dump(known, fh)
-        print(f"store written in {time.perf_counter() - started:.0f} s: {os.path.getsize(args.store) / 2**20:.0f} MiB")
-    t0, written = known["t0"], known["written"]
+    t0, written = kept_store(args.store, span_s, args.rebuild)
     lo, hi = str(t0), str(t0 + span_s)
     sides = {"this code": code_env(None)}
     if args.code:
