@@ -72,13 +72,13 @@ def build(path: str, t0: float, span_s: int) -> dict[str, int]:
     from gpudiag.catalog import M
     from gpudiag.frames import FrameColumns
 
-    if os.path.exists(path):
-        os.remove(path)
-    rng = np.random.default_rng(0)
-    store = Store.open(path, retention_s=30 * 86400.0, max_bytes=64 * GIB)
-    node = "bench-node"
-    n_proc = GPUS * PROCESSES_PER_GPU
+    for stale in (path, path + "-wal", path + "-shm"):
+        if os.path.exists(stale):
+            os.remove(stale)
     written = dict.fromkeys(KINDS, 0)
+    node, n_proc = "bench-node", GPUS * PROCESSES_PER_GPU
+    store = Store.open(path, retention_s=span_s + 86400.0, max_bytes=64 * GIB)  # keeps every row written
+    rng = np.random.default_rng(0)
     white = rng.uniform(2, 4, n_proc) * GIB
     prompt = np.zeros(GPUS, dtype=np.int64)
     evictions = np.zeros(GPUS, dtype=np.int64)
