@@ -90,17 +90,17 @@ def resolve_window(time_range: tuple[float, float], *, since: str | None, start:
     lo = parse_time(start, "--from")
     hi = parse_time(end, "--to") if end is not None else max(last, lo)
     if lo > max(now_s, last):
-        raise GpudiagError(f"the window starts at {_iso(lo)}, in the future (now {_iso(now_s)}; "
-                           f"the store's data ends at {_iso(last)})")
+        raise GpudiagError(f"the window starts at {iso(lo)}, in the future (now {iso(now_s)}; "
+                           f"the store's data ends at {iso(last)})")
     if lo >= hi:
-        raise GpudiagError(f"--from ({_iso(lo)}) must be before --to ({_iso(hi)})")
+        raise GpudiagError(f"--from ({iso(lo)}) must be before --to ({iso(hi)})")
     if lo > last or hi < first:
-        raise GpudiagError(f"no data between {_iso(lo)} and {_iso(hi)}: the store holds "
-                           f"{_iso(first)} to {_iso(last)}")
+        raise GpudiagError(f"no data between {iso(lo)} and {iso(hi)}: the store holds "
+                           f"{iso(first)} to {iso(last)}")
     return lo, hi
 
 
-def _iso(t: float) -> str:
+def iso(t: float) -> str:
     """Unix seconds as UTC ISO-8601; small values (a simulated time base from 0) as seconds."""
     if t < 1e9:
         return f"{t:.0f} s"

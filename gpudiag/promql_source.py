@@ -673,7 +673,7 @@ ProgressFn = Callable[[str, int, int], None]
 def resolve_window(*, since: str | None, start: str | None, end: str | None,
                    now_s: float | None = None) -> tuple[float, float]:
     """The [start, end] of a window over Prometheus: ``--since`` counts back from now, ``--to`` defaults to now."""
-    from gpudiag.investigate import DEFAULT_SINCE_S, _iso, parse_duration, parse_time
+    from gpudiag.investigate import DEFAULT_SINCE_S, iso, parse_duration, parse_time
 
     now_s = time.time() if now_s is None else now_s
     if since is not None and (start is not None or end is not None):
@@ -686,9 +686,9 @@ def resolve_window(*, since: str | None, start: str | None, end: str | None,
     lo = parse_time(start, "--from")
     hi = parse_time(end, "--to") if end is not None else now_s
     if lo > now_s:
-        raise GpudiagError(f"the window starts at {_iso(lo)}, in the future (now {_iso(now_s)})")
+        raise GpudiagError(f"the window starts at {iso(lo)}, in the future (now {iso(now_s)})")
     if lo >= hi:
-        raise GpudiagError(f"--from ({_iso(lo)}) must be before --to ({_iso(hi)})")
+        raise GpudiagError(f"--from ({iso(lo)}) must be before --to ({iso(hi)})")
     return lo, min(hi, now_s)
 
 
@@ -752,7 +752,7 @@ def _put_histograms(frames: _Frames, column: str, result: list[dict[str, Any]], 
 
 def _coverage_gaps(frames: _Frames, plan_: Plan, t: np.ndarray) -> list[str]:
     """Stretches of the window in which an exporter had no samples of a node (target down, not yet scraped)."""
-    from gpudiag.investigate import _iso
+    from gpudiag.investigate import iso
 
     out = []
     min_steps = max(GAP_MIN_STEPS, math.ceil(GAP_MIN_S / plan_.step_s))
@@ -760,7 +760,7 @@ def _coverage_gaps(frames: _Frames, plan_: Plan, t: np.ndarray) -> list[str]:
         edges = np.flatnonzero(np.diff(np.concatenate([[0], (~have).astype(np.int8), [0]])))
         for a, b in zip(edges[::2], edges[1::2]):
             if b - a >= min_steps:
-                out.append(f"prometheus: no {family} samples of node {node} from {_iso(t[a])} to {_iso(t[b - 1])} "
+                out.append(f"prometheus: no {family} samples of node {node} from {iso(t[a])} to {iso(t[b - 1])} "
                            f"(target down or not yet scraped)")
     return out
 
@@ -794,7 +794,7 @@ def load_window(url: str, *, since: str | None = None, start: str | None = None,
                 node: str | None = None, gpu: int | None = None, step: str | None = None,
                 progress: ProgressFn | None = None, now_s: float | None = None) -> Window:
     """Read the window the options name from Prometheus at ``url`` as analyzer frames (GpudiagError on bad input)."""
-    from gpudiag.investigate import _iso, only_gpu, parse_duration
+    from gpudiag.investigate import iso, only_gpu, parse_duration
 
     lo, hi = resolve_window(since=since, start=start, end=end, now_s=now_s)
     api = PrometheusAPI(url)
@@ -810,7 +810,7 @@ def load_window(url: str, *, since: str | None = None, start: str | None = None,
     hists += [(column, name, scale) for column, name, scale in engine_histograms() if name + "_bucket" in present]
     if not fams and not hists:
         raise GpudiagError(f"no gpudiag, dcgm-exporter or vLLM series, nor another serving engine's, in Prometheus "
-                           f"at {api.url} between {_iso(lo)} and {_iso(hi)}: is it scraping the agent (or "
+                           f"at {api.url} between {iso(lo)} and {iso(hi)}: is it scraping the agent (or "
                            f"dcgm-exporter, an engine)?")
     step_s = parse_duration(step) if step is not None else None
     # How often each exporter is scraped, from its samples (the agent at 1 s, vLLM at 15 s, ...):
@@ -843,7 +843,7 @@ def load_window(url: str, *, since: str | None = None, start: str | None = None,
             try:
                 result = api.query_range(expr, t0, t1, p.step_s)
             except QueryFailed as exc:
-                gaps.append(f"prometheus: {what} from {_iso(t0)} to {_iso(t1)} could not be read ({exc}); "
+                gaps.append(f"prometheus: {what} from {iso(t0)} to {iso(t1)} could not be read ({exc}); "
                             f"analyzed without it")
                 result = []
             gaps.extend(f"prometheus warning ({what}): {w}" for w in api.warnings)
@@ -863,9 +863,9 @@ def load_window(url: str, *, since: str | None = None, start: str | None = None,
     t = p.t()
     if not frames.entities:
         if node is not None:
-            raise GpudiagError(f"no node {node!r} in Prometheus at {api.url} between {_iso(lo)} and {_iso(hi)}; "
+            raise GpudiagError(f"no node {node!r} in Prometheus at {api.url} between {iso(lo)} and {iso(hi)}; "
                                f"nodes there: {', '.join(_nodes_seen(api, fams, lo, hi)) or 'none'}")
-        raise GpudiagError(f"Prometheus at {api.url} holds no samples between {_iso(lo)} and {_iso(hi)} "
+        raise GpudiagError(f"Prometheus at {api.url} holds no samples between {iso(lo)} and {iso(hi)} "
                            f"of the series it lists; every range query failed or came back empty")
     gaps = _coverage_gaps(frames, p, t) + gaps
     tables = frames.tables(t)

@@ -634,7 +634,7 @@ def _when(t: float, window: Window) -> str:
     """A time as the window reads it: offset from the start for a simulated time base, else ISO."""
     if t < 1e9:
         return f"{fmt_seconds(t - window.start_s)} in"
-    return I._iso(t)
+    return I.iso(t)
 
 
 def _anchor(f: Finding) -> str:
@@ -700,7 +700,7 @@ def html_report(window: Window, findings: list[Finding], covered: dict[str, Any]
                 first_chart[0] = False
     missing = "".join(f"<li>{H.escape(g['check'])}: {H.escape(g['reason'])}</li>" for g in I.gaps(window))
     covered = I.coverage(window) if covered is None else covered
-    title = f"gpudiag investigate {I._iso(window.start_s)} to {I._iso(window.end_s)}"
+    title = f"gpudiag investigate {I.iso(window.start_s)} to {I.iso(window.end_s)}"
     chain = (f"<h2>What happened</h2>{chain_svg(findings, window)}"
              "<p class='legend'>Arrows run from cause to effect; a box links to its finding. Shaded bands on the "
              "charts are findings' spans (framed: the section's own finding).</p>"

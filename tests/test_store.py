@@ -284,14 +284,14 @@ def test_a_fresh_chunk_damaged_on_disk_is_kept_as_it_is_and_the_rest_of_its_inte
     # The seal reads the number columns of every fresh chunk back from the file. A chunk damaged
     # there (a torn write, a disk error) must neither stop the seal, again every second, nor be
     # deleted: its interval is sealed without it, it stays as it was, logged and counted once.
-    from gpudiag.agent import store as store_module
+    from gpudiag.agent.store import codecs as store_codecs
 
     path = str(tmp_path / "node.db")
     with Store.open(path, chunk_s=30) as store:
         _write_varied(store, range(10))
         conn = sqlite3.connect(path)
         rowid, data = conn.execute("SELECT rowid, data FROM frames_process WHERE t_start = ?", (T0 + 5,)).fetchone()
-        header, frames = store_module._zstd_frames(data)
+        header, frames = store_codecs._zstd_frames(data)
         names = [m["name"] for m in header["columns"]]
         at, _ = frames[len(frames) - len(names) + names.index(M.process_cpu_utilization_ratio)]
         broken = data[:at] + b"\0\0\0\0" + data[at + 4:]  # that number column's frame is no zstd frame
@@ -357,7 +357,7 @@ def test_a_string_column_repeated_from_the_last_fresh_block_is_written_byte_for_
     # A node's names and uuids are the same every second: a fresh block takes a string column equal to
     # the kind's last one from it instead of writing its JSON again. The blocks and their twins must be
     # what encoding each anew gives, whatever the columns turn into from one second to the next.
-    from gpudiag.agent import store as store_module
+    from gpudiag.agent.store import blocks as store_blocks
 
     class Name(str):
         pass
@@ -378,8 +378,8 @@ def test_a_string_column_repeated_from_the_last_fresh_block_is_written_byte_for_
         ["python3", "worker", "late"],
     ]
     encoded: list[str] = []
-    real = store_module._encode_column
-    monkeypatch.setattr(store_module, "_encode_column",
+    real = store_blocks._encode_column
+    monkeypatch.setattr(store_blocks, "_encode_column",
                         lambda a, **kw: encoded.append(a.tolist()) or real(a, **kw))
     repeats: dict = {}
     for i, values in enumerate(seconds):
@@ -397,7 +397,8 @@ def test_a_string_column_repeated_from_the_last_fresh_block_is_written_byte_for_
 
 
 def test_a_column_whose_comparison_or_repr_fails_is_encoded_anew():
-    from gpudiag.agent.store import _repeated, encode_fresh
+    from gpudiag.agent.store import encode_fresh
+    from gpudiag.agent.store.blocks import _repeated
 
     class Hostile:
         def __eq__(self, other):
@@ -500,7 +501,7 @@ def _column_bytes(block: bytes, name: str) -> int:
     """Compressed bytes of one column of a sealed block (its frame size in the block header)."""
     import struct
 
-    from gpudiag.agent.store import _decompress
+    from gpudiag.agent.store.codecs import _decompress
 
     (head_z,) = struct.unpack("<I", block[4:8])
     header = json.loads(_decompress(memoryview(block)[8:8 + head_z]))
@@ -543,7 +544,7 @@ def test_each_byte_plane_of_a_sealed_column_is_coded_with_a_huffman_table_of_its
 def test_a_sealed_column_split_into_byte_planes_is_one_plain_zstd_frame_never_larger_than_one_block(values, repeat):
     import zstandard
 
-    from gpudiag.agent.store import _compress, _compress_parts, _encode_plain
+    from gpudiag.agent.store.codecs import _compress, _compress_parts, _encode_plain
 
     a = np.repeat(np.array(values, dtype=np.int64), repeat + 1)  # runs of equal values too
     _, parts = _encode_plain(a)
@@ -555,7 +556,7 @@ def test_a_sealed_column_split_into_byte_planes_is_one_plain_zstd_frame_never_la
 def test_values_that_do_not_follow_each_other_are_stored_as_themselves_not_as_steps(monkeypatch):
     # One row per request: token counts and latencies of unrelated requests. As steps they take a
     # sign and about a bit more per value than as values less their minimum.
-    from gpudiag.agent import store
+    from gpudiag.agent.store import codecs as store_codecs
 
     rng = np.random.default_rng(7)
     n = 5000
@@ -570,7 +571,7 @@ def test_values_that_do_not_follow_each_other_are_stored_as_themselves_not_as_st
     header = _header(block)
     assert all("ref" in m for m in header["columns"] if m["name"] in ("prompt_tokens", M.request_queue_time_seconds))
     assert "ref" not in next(m for m in header["columns"] if m["name"] == "t")  # time keeps its steps
-    monkeypatch.setattr(store, "REFERENCE_GAIN", 0.0)  # steps only, as before
+    monkeypatch.setattr(store_codecs, "REFERENCE_GAIN", 0.0)  # steps only, as before
     as_steps = encode_block(columns, n)
     for name in ("prompt_tokens", M.request_queue_time_seconds):
         assert _column_bytes(block, name) <= 0.97 * _column_bytes(as_steps, name)
@@ -579,7 +580,7 @@ def test_values_that_do_not_follow_each_other_are_stored_as_themselves_not_as_st
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.text(max_size=12), min_size=70, max_size=200, unique=True), st.data())
 def test_a_long_dictionary_of_strings_is_front_coded_and_reads_back_exactly(values, data):
-    from gpudiag.agent.store import _window_table
+    from gpudiag.agent.store.reader import _window_table
 
     n = len(values) + 5
     picks = values + data.draw(st.lists(st.sampled_from(values), min_size=5, max_size=5))
@@ -601,22 +602,22 @@ def test_a_long_dictionary_of_strings_is_front_coded_and_reads_back_exactly(valu
 @example(["a\x00", "a\x00\x00"], False)  # NUL is also what pads the shorter: the prefix stops where it ends
 @example(["", "", "a"], False)
 def test_front_coding_finds_each_shared_prefix_as_comparing_pairs_does(values, in_order):
-    from gpudiag.agent import store
+    from gpudiag.agent.store import codecs as store_codecs
 
     if in_order:
         values = sorted(values)
-    coded = store._front_code(values)
-    assert coded == store._front_code_by_pairs(values)
-    assert store._front_decode(coded) == values
+    coded = store_codecs._front_code(values)
+    assert coded == store_codecs._front_code_by_pairs(values)
+    assert store_codecs._front_decode(coded) == values
 
 
 def test_front_coding_past_the_array_limit_compares_pairs(monkeypatch):
-    from gpudiag.agent import store
+    from gpudiag.agent.store import codecs as store_codecs
 
     values = sorted(_request_ids("req", 300, seed=3))
-    array_coded = store._front_code(values)
-    monkeypatch.setattr(store, "FRONT_CODE_ARRAY_MAX_CHARS", 10)
-    assert store._front_code(values) == array_coded == store._front_code_by_pairs(values)
+    array_coded = store_codecs._front_code(values)
+    monkeypatch.setattr(store_codecs, "FRONT_CODE_ARRAY_MAX_CHARS", 10)
+    assert store_codecs._front_code(values) == array_coded == store_codecs._front_code_by_pairs(values)
 
 
 def _factorized_by_a_hash_table(a: np.ndarray):
@@ -673,10 +674,10 @@ def _one_string_column(args) -> np.ndarray:
 def test_the_store_factorizes_numbers_and_one_valued_strings_as_a_hash_table_does(a):
     # Integer and bool labels are factorized by numpy and a column of one string by one comparison;
     # the codes, the values and their Python types are a hash table's, so sealed blocks are unchanged.
-    from gpudiag.agent import store
+    from gpudiag.agent.store import codecs as store_codecs
 
     want = _factorized_by_a_hash_table(a)
-    got = store._factorize(a)
+    got = store_codecs._factorize(a)
     if want is None:
         assert got is None
         return
@@ -705,7 +706,7 @@ def _request_ids(style: str, n: int, seed: int) -> list[str]:
 @pytest.mark.parametrize("style, factor", [("req", 0.8), ("cmpl", 0.85), ("chatcmpl", 0.8)])
 def test_a_dictionary_of_request_ids_is_stored_as_fields_in_a_fraction_of_front_codings_bytes(style, factor,
                                                                                            monkeypatch):
-    from gpudiag.agent import store
+    from gpudiag.agent.store import codecs as store_codecs
 
     n = 5000
     ids = _request_ids(style, n, 11)
@@ -719,14 +720,15 @@ def test_a_dictionary_of_request_ids_is_stored_as_fields_in_a_fraction_of_front_
     assert decode_block(block)[1]["request_id"].tolist() == ids
     if style == "cmpl":
         assert len(block) < 16.5 * n  # a uuid4 costs its 16 bytes, not its 32 hex digits
-    monkeypatch.setattr(store, "FIELDS_GAIN", 0.0)  # front coding only, as before
+    monkeypatch.setattr(store_codecs, "FIELDS_GAIN", 0.0)  # front coding only, as before
     front = encode_block(columns, n)
     assert len(block) <= factor * len(front)
 
 
 def _assert_every_reader_gives_back(columns: dict, n: int, block: bytes) -> None:
     """decode_block, decode_table and a window read (of the block and of its zlib twin) give back ``request_id``."""
-    from gpudiag.agent.store import _window_table, decode_table
+    from gpudiag.agent.store import decode_table
+    from gpudiag.agent.store.reader import _window_table
 
     ids = columns["request_id"].tolist()
     for data in (block, as_zlib_block(block)):
@@ -744,7 +746,7 @@ def _none_for_nan(v):
 
 def _with_fields_forced(values: list[str], data) -> tuple[dict, int, bytes, dict]:
     """A block of ``values`` (then a few again, and missing ones) with fields wherever the strings split into them."""
-    from gpudiag.agent import store
+    from gpudiag.agent.store import codecs as store_codecs
 
     picks = values + data.draw(st.lists(st.sampled_from(values), min_size=5, max_size=5))
     ids: list = []
@@ -754,7 +756,7 @@ def _with_fields_forced(values: list[str], data) -> tuple[dict, int, bytes, dict
     columns = {"t": T0 + np.arange(n, dtype=float), "gpu": np.arange(n, dtype=np.int64) % 2,
                "request_id": np.array(ids, dtype=object)}
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(store, "FIELDS_GAIN", math.inf)  # fields wherever the strings have them
+        mp.setattr(store_codecs, "FIELDS_GAIN", math.inf)  # fields wherever the strings have them
         block = encode_block(columns, n)
     meta = next(m for m in _header(block, expand=False)["columns"] if m["name"] == "request_id")
     return columns, n, block, meta
@@ -816,7 +818,7 @@ def test_id_shaped_strings_are_stored_as_fields_and_read_back_exactly(values, da
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.text(), min_size=64, max_size=120, unique=True), st.data())
 def test_any_long_dictionary_of_strings_reads_back_exactly_as_fields_or_front_coded(values, data):
-    from gpudiag.agent.store import _split_fields
+    from gpudiag.agent.store.codecs import _split_fields
 
     columns, n, block, meta = _with_fields_forced(values, data)
     assert ("fields" in meta) == (_split_fields(values) is not None)
@@ -840,7 +842,7 @@ def test_any_long_dictionary_of_strings_reads_back_exactly_as_fields_or_front_co
     (["-5", "-6"], [("str", {"values": ["-"]}), ("int", {})]),
 ])
 def test_a_dictionary_splits_into_fields_exactly_where_every_string_has_the_same_runs(values, fields):
-    from gpudiag.agent.store import _join_fields, _split_fields
+    from gpudiag.agent.store.codecs import _join_fields, _split_fields
 
     split = _split_fields(values)
     if fields is None:
@@ -867,7 +869,8 @@ def _request_rows(n: int, seed: int, e2e_of) -> dict:
     (lambda ttft, tpot, n, rng: rng.lognormal(0, 1, len(n)), False),  # unrelated
 ], ids=["sum", "clocks", "unrelated"])
 def test_a_requests_e2e_latency_is_stored_as_what_is_left_of_ttft_plus_tpot_per_token(e2e_of, small):
-    from gpudiag.agent.store import _window_table, decode_table
+    from gpudiag.agent.store import decode_table
+    from gpudiag.agent.store.reader import _window_table
 
     n = 4000
     columns = _request_rows(n, 5, e2e_of)
@@ -894,7 +897,7 @@ def test_a_requests_e2e_latency_is_stored_as_what_is_left_of_ttft_plus_tpot_per_
 def test_a_column_stored_against_columns_the_block_lacks_is_a_damaged_block_not_wrong_numbers():
     import struct
 
-    from gpudiag.agent.store import _BLOCK_MAGIC, _compress, _decompress
+    from gpudiag.agent.store.codecs import _BLOCK_MAGIC, _compress, _decompress
 
     n = 500
     block = encode_block(_request_rows(n, 9, lambda ttft, tpot, k, rng: ttft + tpot * (k - 1)), n)
@@ -921,7 +924,8 @@ def _ttft_rows(n: int, seed: int) -> dict:
 
 
 def test_ttft_is_stored_as_what_is_left_of_queue_plus_prefill_and_e2e_reads_back_through_it():
-    from gpudiag.agent.store import _window_table, decode_table
+    from gpudiag.agent.store import decode_table
+    from gpudiag.agent.store.reader import _window_table
 
     n = 4000
     columns = _ttft_rows(n, 11)
@@ -945,7 +949,8 @@ def test_ttft_is_stored_as_what_is_left_of_queue_plus_prefill_and_e2e_reads_back
 def test_columns_stored_against_each_other_are_a_damaged_block_not_a_hang():
     import struct
 
-    from gpudiag.agent.store import _BLOCK_MAGIC, _compress, _decompress, _window_table
+    from gpudiag.agent.store.codecs import _BLOCK_MAGIC, _compress, _decompress
+    from gpudiag.agent.store.reader import _window_table
 
     n = 500
     block = encode_block(_ttft_rows(n, 13), n)
@@ -983,7 +988,7 @@ def _header(block: bytes, expand: bool = True) -> dict:
     """A zstd block's header as stored (``expand=False``) or as readers see it."""
     import struct
 
-    from gpudiag.agent.store import _decompress, _zstd_frames
+    from gpudiag.agent.store.codecs import _decompress, _zstd_frames
 
     if expand:
         return _zstd_frames(block)[0]
@@ -1258,7 +1263,7 @@ def test_a_damaged_chunk_is_one_error_line_and_the_store_keeps_its_other_chunks(
 def test_a_damaged_column_read_on_demand_is_one_error_line_and_the_other_columns_read(tmp_path):
     # A chunk's columns are decompressed when first read: damage inside one column's frame
     # surfaces when that column is read, as the same one line, and every other column reads.
-    from gpudiag.agent.store import _zstd_frames
+    from gpudiag.agent.store.codecs import _zstd_frames
 
     def scribble_one_column(data: bytes) -> bytes:
         header, frames = _zstd_frames(data)
@@ -1409,10 +1414,10 @@ def test_frames_handed_over_while_a_write_waits_never_wait_and_stay_bounded(tmp_
     is let go, the newest rows are written."""
     import threading
 
-    from gpudiag.agent import store as store_module
+    from gpudiag.agent.store import container as store_container
 
-    monkeypatch.setattr(store_module, "MAX_UNENCODED_ROWS", 100)
-    monkeypatch.setattr(store_module, "MAX_WAITING_ROWS", 400)
+    monkeypatch.setattr(store_container, "MAX_UNENCODED_ROWS", 100)
+    monkeypatch.setattr(store_container, "MAX_WAITING_ROWS", 400)
     path = str(tmp_path / "node.db")
     store = Store.open(path)
 
@@ -1571,15 +1576,15 @@ _row = st.one_of(st.none(), st.integers(0, 3),
 @settings(max_examples=400, deadline=None)
 @given(st.lists(_row, min_size=1, max_size=8))
 def test_dicts_of_one_shape_flatten_as_row_by_row_flattening_does(values):
-    from gpudiag.agent import store
+    from gpudiag.agent.store import codecs as store_codecs
 
-    fast = store._DictColumn.from_values(values)
-    general = store._DictColumn._from_one_shape
+    fast = store_codecs._DictColumn.from_values(values)
+    general = store_codecs._DictColumn._from_one_shape
     try:
-        store._DictColumn._from_one_shape = classmethod(lambda cls, v: store._NOT_ONE_SHAPE)
-        slow = store._DictColumn.from_values(values)
+        store_codecs._DictColumn._from_one_shape = classmethod(lambda cls, v: store_codecs._NOT_ONE_SHAPE)
+        slow = store_codecs._DictColumn.from_values(values)
     finally:
-        store._DictColumn._from_one_shape = general
+        store_codecs._DictColumn._from_one_shape = general
     assert (fast is None) == (slow is None)
     if fast is not None:
         assert fast.layouts == slow.layouts and fast.int_paths == slow.int_paths
@@ -1610,11 +1615,11 @@ _json_row = st.one_of(
 
 def _same_bits(a, b) -> bool:
     """Equal columns: the same class and dtype, flattened dicts leaf by leaf to the bit, objects by type and repr."""
-    from gpudiag.agent import store
+    from gpudiag.agent.store import codecs as store_codecs
 
     if type(a) is not type(b):
         return False
-    if isinstance(a, store._DictColumn):
+    if isinstance(a, store_codecs._DictColumn):
         return (a.layouts == b.layouts and a.int_paths == b.int_paths and a.codes.dtype == b.codes.dtype
                 and np.array_equal(a.codes, b.codes) and list(a.leaves) == list(b.leaves)
                 and all(a.leaves[p].dtype == b.leaves[p].dtype
@@ -1637,14 +1642,14 @@ def _same_bits(a, b) -> bool:
 @example([{1: 2, 3: 4}])
 @example([{"a": 1}, {}])
 def test_a_fresh_columns_twin_is_what_decoding_its_block_gives_back(values):
-    from gpudiag.agent import store
+    from gpudiag.agent.store import blocks as store_blocks
 
     n = len(values)
     a = column_array(values)
     twin: dict = {}
-    block = store.encode_block({"t": np.arange(n, dtype=np.float64), "c": a}, n, sealed=False, twin=twin)
-    _, decoded = store._flattened(store.decode_block(block, raw=True))
-    kept = twin["c"].read(block) if isinstance(twin["c"], store._InBlock) else twin["c"]
+    block = store_blocks.encode_block({"t": np.arange(n, dtype=np.float64), "c": a}, n, sealed=False, twin=twin)
+    _, decoded = store_blocks._flattened(store_blocks.decode_block(block, raw=True))
+    kept = twin["c"].read(block) if isinstance(twin["c"], store_blocks._InBlock) else twin["c"]
     assert _same_bits(kept, decoded["c"])
 
 
@@ -1673,7 +1678,7 @@ def test_a_column_becomes_the_numpy_array_its_python_types_make():
 
 
 def test_a_column_of_shared_dicts_encodes_as_one_of_equal_separate_dicts():
-    from gpudiag.agent import store
+    from gpudiag.agent.store import codecs as store_codecs
 
     reasons = [{"white": "no reporter", "grey": "no reporter"}, {"black": "NVML not found"}, {}]
     shared = np.empty(600, dtype=object)
@@ -1682,7 +1687,7 @@ def test_a_column_of_shared_dicts_encodes_as_one_of_equal_separate_dicts():
     separate[:] = [dict(reasons[i % 3]) for i in range(600)]
     separate[7] = None
     shared[7] = None
-    got_shared, got_separate = store._json_codes(shared), store._json_codes(separate)
+    got_shared, got_separate = store_codecs._json_codes(shared), store_codecs._json_codes(separate)
     assert got_shared[1] == got_separate[1] and np.array_equal(got_shared[0], got_separate[0])
     assert encode_block({"missing_reasons": shared}, 600) == encode_block({"missing_reasons": separate}, 600)
 
@@ -1691,8 +1696,10 @@ def test_number_and_counter_columns_repeated_from_the_last_fresh_block_are_writt
     # Limits, clocks and error counters by label are the same second after second: a fresh block takes a
     # number column equal byte for byte, or a small column of other values with the same repr, from the
     # kind's last block. Every block and twin must be what encoding it anew gives.
-    from gpudiag.agent import store as store_module
-    from gpudiag.agent.store import REPEAT_BY_TEXT_MAX_ROWS, _InBlock, encode_fresh
+    from gpudiag.agent.store import REPEAT_BY_TEXT_MAX_ROWS, encode_fresh
+    from gpudiag.agent.store import blocks as store_blocks
+    from gpudiag.agent.store import codecs as store_codecs
+    from gpudiag.agent.store.blocks import _InBlock
 
     shared = {"corrected": 0}
     changed = {"corrected": 0}
@@ -1711,11 +1718,12 @@ def test_number_and_counter_columns_repeated_from_the_last_fresh_block_are_writt
         ([1.0, 0.0, 2.0], [{"corrected": 2}, {"corrected": 0}, None]),  # a row more
     ]
     encoded: list = []
-    real = store_module._encode_column
-    monkeypatch.setattr(store_module, "_encode_column", lambda a, **kw: encoded.append(a.tolist()) or real(a, **kw))
-    real_compress = store_module._compress
-    monkeypatch.setattr(store_module, "_compress",
-                        lambda data, level: encoded.append(data) or real_compress(data, level))
+    real = store_blocks._encode_column
+    monkeypatch.setattr(store_blocks, "_encode_column", lambda a, **kw: encoded.append(a.tolist()) or real(a, **kw))
+    real_compress = store_codecs._compress
+    counting_compress = lambda data, level: encoded.append(data) or real_compress(data, level)  # noqa: E731
+    monkeypatch.setattr(store_codecs, "_compress", counting_compress)
+    monkeypatch.setattr(store_blocks, "_compress", counting_compress)
     repeats: dict = {}
     for i, (limits, ecc) in enumerate(seconds):
         if i == 9:
@@ -1730,9 +1738,9 @@ def test_number_and_counter_columns_repeated_from_the_last_fresh_block_are_writt
         assert isinstance(twin[M.gpu_power_limit_watts], _InBlock)
         assert got_limits.tobytes() == want_twin[M.gpu_power_limit_watts].read(want_block).tobytes()
         assert decode_block(block)[1][M.gpu_ecc_errors_total].tolist() == ecc
-        assert store_module._DictColumn.concat([twin[M.gpu_ecc_errors_total]], [n]).to_objects().tolist() \
-            == store_module._DictColumn.concat([want_twin[M.gpu_ecc_errors_total]], [n]).to_objects().tolist() \
-            if isinstance(want_twin[M.gpu_ecc_errors_total], store_module._DictColumn) \
+        assert store_codecs._DictColumn.concat([twin[M.gpu_ecc_errors_total]], [n]).to_objects().tolist() \
+            == store_codecs._DictColumn.concat([want_twin[M.gpu_ecc_errors_total]], [n]).to_objects().tolist() \
+            if isinstance(want_twin[M.gpu_ecc_errors_total], store_codecs._DictColumn) \
             else twin[M.gpu_ecc_errors_total].tolist() == want_twin[M.gpu_ecc_errors_total].tolist()
         raw = np.asarray(limits, dtype=columns[M.gpu_power_limit_watts].dtype).tobytes()
         before = seconds[i - 1] if i else None

@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 import zstandard
 
-from gpudiag.agent.store import Store, _window_table, decode_table, encode_block
+from gpudiag.agent.store import Store, decode_table, encode_block
+from gpudiag.agent.store.reader import _window_table
 from gpudiag.catalog import M
 from gpudiag.frames import DictColumn, Frame, FrameColumns, Table
 
@@ -260,7 +261,7 @@ def test_a_steady_nodes_repeated_blocks_give_the_groups_a_sort_gives_when_one_la
     # Blocks of the same entities in the same stored order repeat the block before's runs; a block in
     # which one row's label differs (a renamed process, a pid lost to NaN, a GPU label that moves)
     # must not be taken for a repeat.
-    from gpudiag.agent import store as store_module
+    from gpudiag.agent.store import reader as store_reader
 
     def block(b: int, change: str | None) -> bytes:
         frames = []
@@ -282,8 +283,8 @@ def test_a_steady_nodes_repeated_blocks_give_the_groups_a_sort_gives_when_one_la
         return encode_block(columns, n)
 
     taken = []
-    repeats = store_module._EntityRuns._repeats
-    monkeypatch.setattr(store_module._EntityRuns, "_repeats",
+    repeats = store_reader._EntityRuns._repeats
+    monkeypatch.setattr(store_reader._EntityRuns, "_repeats",
                         staticmethod(lambda *a: taken.append(repeats(*a)) or taken[-1]))
     changes = [None, None, "renamed", None, None, "pid lost", "pid lost", "gpu moved", None]
     blocks = [block(b, c) for b, c in enumerate(changes)]
@@ -431,3 +432,47 @@ def test_the_comparison_catches_a_dropped_or_moved_row():
     swapped[[0, -1]] = swapped[[-1, 0]]
     with pytest.raises(AssertionError):
         assert_same_table(want.take(swapped), want)
+
+
+def request_blocks(blocks: int = 3, per_block: int = 800) -> list[bytes]:
+    """Sealed blocks of finished requests, each with an id of its own, as a serving engine reports them."""
+    rng = np.random.default_rng(3)
+    out, count = [], 0
+    for b in range(blocks):
+        frames = []
+        for tick in range(per_block // 8):
+            rows = []
+            for g in range(8):
+                count += 1
+                rows.append({"node": "node-a", "gpu": g, "engine": "vllm",
+                             "request_id": f"req-{g}-{count}-{int(rng.integers(0, 1 << 32)):08x}",
+                             M.time_to_first_token_seconds: float(rng.random())})
+            frames.append(Frame("request", T0 + 1000 * b + tick, rows))
+        chunk = FrameColumns.of("request", frames)
+        out.append(encode_block(dict(chunk.columns), chunk.n))
+    return out
+
+
+def test_ids_distinct_per_row_are_read_as_plain_values_when_first_read_and_labels_stay_labels():
+    blocks = request_blocks()
+    table = Store._table_of(blocks, -math.inf, math.inf, None)
+    cols = table.columns
+    # The read decodes the labels' codes at once; the ids (a value per row) only when first read.
+    assert not cols.made("request_id") and cols.kind("request_id") == "object"
+    table.codes("node")
+    assert not cols.made("node")  # a label: its codes were read with the window
+    ids = cols["request_id"]
+    assert ids.dtype == object and len(set(ids.tolist())) == table.n == 2400
+    assert ids[0].startswith("req-0-1-")
+    # Grouping by them and their codes are still there on demand, equal to a block-by-block read's.
+    assert_same_table(table, reference_table(blocks, -math.inf, math.inf, None))
+    cut = Store._table_of(blocks, T0 + 1000, T0 + 1050, "node-a")
+    assert_same_table(cut, reference_table(blocks, T0 + 1000, T0 + 1050, "node-a"))
+
+
+def test_a_few_distinct_values_in_a_short_window_stay_labels():
+    blocks = request_blocks(blocks=1, per_block=80)
+    table = Store._table_of(blocks, -math.inf, math.inf, None)
+    table.codes("request_id")
+    assert not table.columns.made("request_id")  # labels: codes without their values
+    assert_same_table(table, reference_table(blocks, -math.inf, math.inf, None))

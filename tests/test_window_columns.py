@@ -23,9 +23,8 @@ from gpudiag.frames import (
     Table,
     TableBuffer,
     Window,
-    _GroupLayout,
-    _unexported,
 )
+from gpudiag.frames.grouping import _GroupLayout, _unexported
 
 GiB, MiB = 1024**3, 1024**2
 NODE = "node-a"

@@ -174,20 +174,20 @@ def _analyze(window, progress, logged: list | None = None) -> list:
 
 
 def _when(t: float | None, origin: float) -> str:
-    from gpudiag.investigate import _iso
+    from gpudiag.investigate import iso
 
     if t is None:
         return "n/a"
-    return f"{_iso(t)} (+{fmt_seconds(t - origin)})"
+    return f"{iso(t)} (+{fmt_seconds(t - origin)})"
 
 
 def _print(out: Console, doc: dict, findings, html: str | None) -> None:
-    from gpudiag.investigate import _iso, coverage_verdict
+    from gpudiag.investigate import coverage_verdict, iso
 
     w = doc["window"]
     origin = w["start_s"]
     covered = doc["coverage"]
-    out.print(f"window {_iso(w['start_s'])} to {_iso(w['end_s'])} ({fmt_seconds(w['end_s'] - w['start_s'])})"
+    out.print(f"window {iso(w['start_s'])} to {iso(w['end_s'])} ({fmt_seconds(w['end_s'] - w['start_s'])})"
               f"  sources: {', '.join(doc['sources'])}", markup=False)
     if not findings:
         out.print(Panel(Text(coverage_verdict(covered, False), style="green" if covered["conclusive"] else "yellow"),

@@ -119,7 +119,7 @@ def resolve_window(time_range: tuple[float, float], *, since: str | None, start:
     ``--since`` counts back from the files' last sample (now has nothing to do
     with a recording); ``--from`` without ``--to`` runs to the last sample.
     """
-    from gpudiag.investigate import _iso, parse_duration, parse_time
+    from gpudiag.investigate import iso, parse_duration, parse_time
 
     first, last = time_range
     if since is not None and (start is not None or end is not None):
@@ -133,10 +133,10 @@ def resolve_window(time_range: tuple[float, float], *, since: str | None, start:
     lo = parse_time(start, "--from")
     hi = parse_time(end, "--to") if end is not None else max(last, lo)
     if lo >= hi:
-        raise GpudiagError(f"--from ({_iso(lo)}) must be before --to ({_iso(hi)})")
+        raise GpudiagError(f"--from ({iso(lo)}) must be before --to ({iso(hi)})")
     if lo > last or hi < first:
-        raise GpudiagError(f"no data between {_iso(lo)} and {_iso(hi)}: the files hold {_iso(first)} to "
-                           f"{_iso(last)}")
+        raise GpudiagError(f"no data between {iso(lo)} and {iso(hi)}: the files hold {iso(first)} to "
+                           f"{iso(last)}")
     return max(lo, first), min(hi, last)
 
 

@@ -201,7 +201,7 @@ def _increase(k: np.ndarray, v: np.ndarray, n: int, span: int) -> tuple[np.ndarr
 
 
 def _gaps(read: FileRead, entities: dict[tuple, list[np.ndarray]], lo: float, hi: float) -> list[str]:
-    from gpudiag.investigate import _iso
+    from gpudiag.investigate import iso
 
     out = []
     for (node, gpu, engine), times in sorted(entities.items(), key=lambda kv: tuple(map(str, kv[0]))):
@@ -213,7 +213,7 @@ def _gaps(read: FileRead, entities: dict[tuple, list[np.ndarray]], lo: float, hi
         d = np.diff(t)
         for i in np.flatnonzero(d >= max(GAP_MIN_S, GAP_MIN_INTERVALS * spacing)).tolist():
             what = f"engine {engine}" if engine is not None else "GPU" if gpu is None else f"GPU {gpu}"
-            out.append(f"{read.path}: no samples of {what} of node {node} from {_iso(t[i])} to {_iso(t[i + 1])} "
+            out.append(f"{read.path}: no samples of {what} of node {node} from {iso(t[i])} to {iso(t[i + 1])} "
                        f"(the recorder stopped or missed it)")
     if len(out) > MAX_GAPS_PER_FILE:
         out = out[:MAX_GAPS_PER_FILE] + [f"{read.path}: {len(out) - MAX_GAPS_PER_FILE} more stretches without "
