@@ -28,6 +28,8 @@ def sources() -> list[tuple[Path, str]]:
     out = []
     for folder, dotted in PACKAGE_DIRS.items():
         for path in sorted((ROOT / folder).rglob("*.py")):
+            if path.name.endswith("_pb2.py"):
+                continue  # protoc's output (probes/proto): generated, regenerated, never edited
             rel = path.relative_to(ROOT / folder).with_suffix("")
             parts = [p for p in rel.parts if p != "__init__"]
             out.append((path, ".".join([dotted, *parts])))

@@ -6,12 +6,12 @@ real Store; the command then runs as a subprocess against that file.
 """
 
 import json
-import math
 import os
 import re
 
 import numpy as np
 import pytest
+from store_support import write_window
 
 from gpudiag import repro as R
 from gpudiag.agent.store import Store
@@ -33,17 +33,7 @@ def storm_store(tmp_path_factory):
     """A store holding the full two-hour kv-eviction-storm run (seed 0)."""
     res = R.run(scenarios.get("kv-eviction-storm"), None, 0)
     path = str(tmp_path_factory.mktemp("investigate") / "storm.db")
-    store = Store.open(path)
-    for kind, df in res.window.tables.items():
-        by_t: dict[float, list[dict]] = {}
-        for row in df.to_dict("records"):
-            t = row.pop("t")
-            by_t.setdefault(t, []).append({k: v for k, v in row.items()
-                                           if not (isinstance(v, float) and math.isnan(v))})
-        store.append(Frame(kind, T0 + t, rows) for t, rows in by_t.items())
-        store.flush()
-    store.close()
-    return path
+    return write_window(res.window, path, T0)
 
 
 def _window(store, start, end):

@@ -9,7 +9,6 @@ with their data; a screenshot of each is written for a person to look at.
 
 from __future__ import annotations
 
-import math
 import re
 import shutil
 import struct
@@ -19,11 +18,10 @@ import zlib
 from pathlib import Path
 
 import pytest
+from store_support import write_window
 
 from gpudiag import investigate as I
 from gpudiag import repro as R
-from gpudiag.agent.store import Store
-from gpudiag.frames import Frame
 from gpudiag.reference_engine import scenarios
 from gpudiag.report_html import charts_for
 
@@ -61,16 +59,7 @@ def storm_report(tmp_path_factory):
     """The HTML report of the storm scenario's whole run, written by the CLI from a real store."""
     tmp = tmp_path_factory.mktemp("report")
     res = R.run(scenarios.get("kv-eviction-storm"), None, 0)
-    store = Store.open(str(tmp / "storm.db"))
-    for kind, df in res.window.tables.items():
-        by_t: dict[float, list[dict]] = {}
-        for row in df.to_dict("records"):
-            t = row.pop("t")
-            by_t.setdefault(t, []).append({k: v for k, v in row.items()
-                                           if not (isinstance(v, float) and math.isnan(v))})
-        store.append(Frame(kind, T0 + t, rows) for t, rows in by_t.items())
-        store.flush()
-    store.close()
+    write_window(res.window, str(tmp / "storm.db"), T0)
     html = tmp / "report.html"
     p = subprocess.run([sys.executable, "-m", "gpudiag", "investigate", "--store", str(tmp / "storm.db"),
                         "--from", str(T0), "--to", str(T0 + 7200), "--html", str(html)],

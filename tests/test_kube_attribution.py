@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from store_support import write_window
 
 from gpudiag.analyzers.registry import run_all
 from gpudiag.catalog import CATALOG, M
@@ -183,10 +184,8 @@ def test_top_shows_pod_names_from_the_simulated_node():
 
 def test_investigate_from_the_store_names_the_pods(cli, tmp_path):
     """The cotenant scenario's frames, labelled as the agent labels them with --sim-pods, in a real store."""
-    import math
 
     from gpudiag import repro as R
-    from gpudiag.agent.store import Store
     from gpudiag.probes.kube import sim_resolver
     from gpudiag.reference_engine import scenarios
 
@@ -194,16 +193,7 @@ def test_investigate_from_the_store_names_the_pods(cli, tmp_path):
     res = R.run(scenarios.get("cotenant"), None, 0)
     pods = sim_resolver()
     path = str(tmp_path / "cotenant.db")
-    store = Store.open(path)
-    for kind, df in res.window.tables.items():
-        by_t: dict[float, list[dict]] = {}
-        for row in df.to_dict("records"):
-            t = row.pop("t")
-            kept = {k: v for k, v in row.items() if not (isinstance(v, float) and math.isnan(v))}
-            by_t.setdefault(t, []).append(kept)
-        store.append(pods.annotate([Frame(kind, t0 + t, rows) for t, rows in by_t.items()]))
-        store.flush()
-    store.close()
+    write_window(res.window, path, t0, annotate=pods.annotate)
     p = cli("investigate", "--store", path, "--from", str(t0), "--to", str(t0 + 1800), "--json")
     assert p.returncode == 1, p.stderr
     doc = json.loads(p.stdout)

@@ -9,18 +9,16 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import math
 from dataclasses import dataclass
 
 import pytest
 import real_vllm
 import tomllib
+from store_support import write_window
 
 from gpudiag import file_source, repro, repro_fit
-from gpudiag.agent.store import Store
 from gpudiag.cli import main
 from gpudiag.errors import GpudiagError
-from gpudiag.frames import Frame
 from gpudiag.reference_engine import scenarios
 
 T0 = 1_770_000_000.0
@@ -186,21 +184,14 @@ def healthy_store(tmp_path_factory):
 
     res = repro.run(sc, None, 0, overrides=short)
     path = str(tmp_path_factory.mktemp("fit") / "healthy.db")
-    store = Store.open(path)
-    for kind, df in res.window.tables.items():
-        by_t: dict[float, list[dict]] = {}
-        for row in df.to_dict("records"):
-            t = row.pop("t")
-            if kind == "request":
-                row["arrival_s"] = row["arrival_s"] + T0
-            if kind == "gpu":  # the NVML probe names the GPU on its rows; the simulated device does not
-                row["name"] = "NVIDIA A100-SXM4-80GB"
-            by_t.setdefault(t, []).append({k: v for k, v in row.items()
-                                           if not (isinstance(v, float) and math.isnan(v))})
-        store.append(Frame(kind, T0 + t, rows) for t, rows in by_t.items())
-        store.flush()
-    store.close()
-    return path, res
+
+    def as_probed(kind, row):
+        if kind == "request":
+            row["arrival_s"] = row["arrival_s"] + T0
+        if kind == "gpu":  # the NVML probe names the GPU on its rows; the simulated device does not
+            row["name"] = "NVIDIA A100-SXM4-80GB"
+
+    return write_window(res.window, path, T0, edit=as_probed), res
 
 
 def test_a_store_window_is_fitted_from_its_request_rows_and_stays_calm(healthy_store, tmp_path):

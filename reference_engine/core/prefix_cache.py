@@ -87,7 +87,7 @@ def block_keys(content: tuple[tuple[int, int], ...], n_blocks: int, block_size: 
     return keys
 
 
-def _stream(seq: Sequence, tokens: int) -> tuple[tuple[int, int], ...]:
+def token_stream(seq: Sequence, tokens: int) -> tuple[tuple[int, int], ...]:
     """The (segment, tokens) pieces of the sequence's first ``tokens`` tokens: prompt, then output."""
     prompt = seq.content if seq.content is not None else ((-2 * seq.seq_id - 2, seq.prompt_tokens),)
     out = seq.output_segment if seq.output_segment is not None else -2 * seq.seq_id - 1
@@ -195,7 +195,7 @@ class PrefixCachingKV(PagedKV):
     def allocate(self, seq, tokens):
         bs = self.cfg.block_size
         known = seq.num_tokens  # tokens whose content is known; ``tokens`` adds the slot for the next one
-        keys = block_keys(_stream(seq, known), known // bs, bs)
+        keys = block_keys(token_stream(seq, known), known // bs, bs)
         hits: list[_Block] = []
         for key in keys[: (known - 1) // bs]:
             b = self._cache.get(key)
@@ -259,7 +259,7 @@ class PrefixCachingKV(PagedKV):
         held, stored, table = seq.kv
         bs = self.cfg.block_size
         known = min(stored, seq.num_tokens)
-        keys = block_keys(_stream(seq, known), known // bs, bs)
+        keys = block_keys(token_stream(seq, known), known // bs, bs)
         released = 0
         for i, key in enumerate(table):
             if key is not None:

@@ -38,7 +38,7 @@ import torch
 from gpudiag.errors import GpudiagError
 from gpudiag.reference_engine.core.allocator import AllocatorStats, CachingAllocator, OutOfMemory
 from gpudiag.reference_engine.core.kv_manager import ContiguousKV, KVConfig, KVManager, PagedKV, ReserveMaxKV
-from gpudiag.reference_engine.core.prefix_cache import PrefixCachingKV, _stream, block_keys
+from gpudiag.reference_engine.core.prefix_cache import PrefixCachingKV, block_keys, token_stream
 from gpudiag.reference_engine.model.model import PagedKVCache
 from gpudiag.reference_engine.model.model_config import ModelConfig
 from gpudiag.reference_engine.sim.sim_gpu import CostModel, SimGPU
@@ -255,7 +255,7 @@ class PrefixCachingTensorKV(PrefixCachingKV):
     def free(self, seq):
         bs = self.cfg.block_size
         known = min(seq.kv[1], seq.num_tokens)
-        keys = block_keys(_stream(seq, known), known // bs, bs)
+        keys = block_keys(token_stream(seq, known), known // bs, bs)
         own = self._own.pop(seq, {})
         cached_before = {i: keys[i] in self._cache for i in own if i < len(keys)}
         nbytes = super().free(seq)
