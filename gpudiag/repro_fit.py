@@ -763,6 +763,57 @@ class FittedScenario(Scenario):
         return cfg, workload(self.fitted, replicas)
 
 
+# Fixes proposed from the fitted run's own findings (``--fix auto``, the default on a fitted window).
+# A share of the device vLLM may give the pool beyond the window's, and the most it is raised to: 0.95
+# leaves room for the CUDA context and the sampler's buffers, which vLLM's profile does not count.
+GMU_STEP = 0.05
+GMU_MAX = 0.95
+STORM_KINDS = ("kv_eviction_storm",)
+QUEUE_KINDS = ("queue_avalanche",)
+
+
+@dataclass
+class Candidate:
+    """A fix the twin's findings propose, with the parameter and why."""
+
+    fix: str
+    reason: str
+
+
+def candidate_fixes(f: Fitted, res) -> list[Candidate]:
+    """The fixes the unfixed twin's findings propose, each with a parameter (gpudiag.repro.RunResult).
+
+    For a paged engine at capacity that preempts (a KV-eviction-storm finding, or the twin's own
+    regime): ``max-num-seqs=N``, N the number of requests the twin ran while its KV cache was full
+    (the batch the pool holds; a cap there admits no request the pool must then preempt);
+    ``replicas=2``; a larger ``gpu-memory-utilization`` where the window's leaves room. A queue
+    avalanche proposes ``replicas=2``. A calm twin proposes none.
+    """
+    kinds = {fd.kind for fd in res.findings}
+    sim = summarize_run(res)
+    storm = bool(kinds & set(STORM_KINDS)) or regime(sim, f.duration_s) == "preempting"
+    out: list[Candidate] = []
+    if storm:
+        eng = res.window.table("engine")
+        kv, running = _col(eng, M.kv_cache_usage_perc), _col(eng, M.num_requests_running)
+        full = (kv >= KV_FULL_RATIO) & ~np.isnan(running)
+        why = "the KV-eviction-storm finding" if kinds & set(STORM_KINDS) else "the twin's preemptions at a full KV cache"
+        if full.any():
+            n = int(np.floor(np.median(running[full])))
+            if 1 <= n < f.knobs.max_num_seqs:
+                out.append(Candidate(f"max-num-seqs={n}", f"{why}: the twin ran {n} requests (median) while its KV "
+                                     f"cache was full; a batch capped there fits the pool"))
+        out.append(Candidate("replicas=2", f"{why}: half the traffic per replica halves the KV each pool holds"))
+        gmu = f.knobs.gpu_memory_utilization
+        if gmu + 1e-9 < GMU_MAX:
+            new = round(min(GMU_MAX, gmu + GMU_STEP), 2)
+            out.append(Candidate(f"gpu-memory-utilization={new:g}", f"{why}: a larger share of the device for the "
+                                 f"KV pool (from {gmu:g})"))
+    if kinds & set(QUEUE_KINDS) and not any(c.fix == "replicas=2" for c in out):
+        out.append(Candidate("replicas=2", "the queue-avalanche finding: the engine cannot keep up with arrivals"))
+    return out
+
+
 def parse_fix(text: str, f: Fitted) -> tuple[str, float]:
     """(name, value) of a fix given as NAME or NAME=VALUE (GpudiagError for one the twin cannot judge)."""
     name, _, value = text.strip().partition("=")
