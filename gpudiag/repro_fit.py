@@ -797,7 +797,8 @@ def candidate_fixes(f: Fitted, res) -> list[Candidate]:
         eng = res.window.table("engine")
         kv, running = _col(eng, M.kv_cache_usage_perc), _col(eng, M.num_requests_running)
         full = (kv >= KV_FULL_RATIO) & ~np.isnan(running)
-        why = "the KV-eviction-storm finding" if kinds & set(STORM_KINDS) else "the twin's preemptions at a full KV cache"
+        why = ("the KV-eviction-storm finding" if kinds & set(STORM_KINDS)
+               else "the twin's preemptions at a full KV cache")
         if full.any():
             n = int(np.floor(np.median(running[full])))
             if 1 <= n < f.knobs.max_num_seqs:
