@@ -62,7 +62,8 @@ class SchedulerConfig:
     # Allocation attempts past a head of the queue that cannot get KV memory, per prefill. A
     # sequence already known not to fit (see the failure floor) is passed over without an
     # attempt and does not count: however many long recomputes wait at the head, short
-    # requests behind them are still admitted while memory allows.
+    # requests behind them are still admitted while memory allows. 0: nothing is tried behind a head
+    # that does not fit, known or not (vLLM V1's waiting loop: ``if new_blocks is None: break``).
     admission_lookahead: int = 16
     # False: a decode step that preempted holds admission until a decode step that did not (vLLM V1).
     admit_while_preempting: bool = True
@@ -177,6 +178,8 @@ class Scheduler:
             if self.cfg.batching == "memory-aware" and not self._fits_estimate(seq):
                 break
             if not self._worth_trying(seq):
+                if self.cfg.admission_lookahead == 0:
+                    break  # strictly first come, first served: nothing passes a head that does not fit
                 skipped.append(self.waiting.popleft())
                 continue
             failed = self.kv.allocate(seq, n + 1)

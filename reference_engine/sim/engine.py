@@ -163,7 +163,7 @@ class SimEngine:
         self.requests = workload.generate(seed)
         # A closed loop (a workload with ``clients``): its first ``clients`` requests arrive as
         # generated, each later one when an earlier one ends (its arrival_s is set then).
-        self._released = getattr(workload, "clients", 0) or len(self.requests)
+        self._released = getattr(workload, "clients", 0) or math.inf
         self._prefilled = False  # running_first: a prefill step ran since the last decode step
         self.clock = clock or VirtualClock()
         self.node = node
