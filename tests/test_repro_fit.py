@@ -232,8 +232,8 @@ def test_a_store_window_is_fitted_from_its_request_rows_and_stays_calm(healthy_s
 
 # The runs whose KV cache filled and which preempted hundreds of times (index.csv): the twin fills its
 # cache and preempts in each. Its preemption count is within 2x of the observed one for the two
-# max-num-seqs 512 runs (1.62x and 1.35x at seed 0); docs/repro-twin.md gives the max-num-seqs 256 ones
-# (0.48x and 0.20x) and why.
+# max-num-seqs 512 runs (1.16x and 1.00x at seed 0); docs/repro-twin.md gives the max-num-seqs 256 ones
+# (0.34x and 0.15x) and why.
 STORMS = ("tp1_bs256_offloadoff", "tp1_bs256_offloadon", "tp1_bs512_offloadoff", "tp1_bs512_offloadon")
 WITHIN_2X = ("tp1_bs512_offloadoff", "tp1_bs512_offloadon")
 CALM = ("tp1_bs64_offloadoff", "tp2_bs128_offloadoff")
