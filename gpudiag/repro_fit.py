@@ -446,18 +446,15 @@ def _kv_capacity_tokens(gpu_key: str, group: str, model_key: str, knobs: Knobs) 
     return max(0.0, pool) / shape.kv_bytes_per_token
 
 
-# Output spread from KV occupancy: samples where the cache holds a fifth or more of its capacity but is
-# not full (at a full cache, admission and preemption decide who holds it, not lengths alone), once the
-# requests in the engine have turned over (as many have finished as are running: before that the
+# Output spread from KV occupancy: samples where the cache holds a fifth or more of its capacity, once
+# the requests in the engine have turned over (as many have finished as are running: before that the
 # running ones are young, their outputs short, and they say nothing of the spread); and the largest
 # spread accepted (a heavier tail than this is a few huge outputs the mean does not describe).
+# Full-cache samples count too: the relation is an identity of what the running requests hold, at a
+# full cache as below it, and in a window that is mostly full the samples below it are a biased pick
+# (the moments just after long requests finished, when the KV per running request is lowest).
 OCCUPANCY_KV_MIN = 0.2
 MAX_OUTPUT_SIGMA = 1.5
-# Fewer samples than a minute of scrapes below a full cache (a window that is full from the requests'
-# first turnover to its drain) say little: the full-cache samples are used too. The relation still
-# holds there (KV per running request is that request's prompt and output so far, averaged over its
-# time in the batch), only admission and preemption shift which requests make the average.
-MIN_SPREAD_SAMPLES = 60
 
 
 def _output_spread(obs: Observed, bins: list[Bin], capacity_tokens: float) -> tuple[float, str]:
@@ -470,14 +467,11 @@ def _output_spread(obs: Observed, bins: list[Bin], capacity_tokens: float) -> tu
     done = np.nan_to_num(obs.finished - np.nanmin(obs.finished))
     turned = np.nonzero(done >= np.nan_to_num(obs.running))[0]
     after = obs.t >= (obs.t[turned[np.argmax(obs.t[turned] > 0)]] if turned.size else np.inf)
-    sel = (obs.kv >= OCCUPANCY_KV_MIN) & (obs.kv < KV_FULL_RATIO) & (obs.running >= 1) & after
-    full = ""
-    if sel.sum() < MIN_SPREAD_SAMPLES:
-        sel = (obs.kv >= OCCUPANCY_KV_MIN) & (obs.running >= 1) & after
-        full = ", a full cache included: fewer were below it"
+    sel = (obs.kv >= OCCUPANCY_KV_MIN) & (obs.running >= 1) & after
+    full = f", {int((sel & (obs.kv >= KV_FULL_RATIO)).sum())} at a full cache"
     if not sel.any() or capacity_tokens <= 0:
         return ASSUMED_SIGMA, (f"assumed (log-normal sigma {ASSUMED_SIGMA}: after the requests turned over, the "
-                               f"KV cache was never between {OCCUPANCY_KV_MIN:.0%} and {KV_FULL_RATIO:.0%} full)")
+                               f"KV cache never held {OCCUPANCY_KV_MIN:.0%} of its capacity)")
     mids = np.array([(b.start_s + b.end_s) / 2 for b in bins])
     p = np.interp(obs.t[sel], mids, [b.prompt_mean for b in bins])
     o = np.interp(obs.t[sel], mids, [b.output_mean for b in bins])
