@@ -340,6 +340,8 @@ class Fitted:
     speed_factor: float  # the engine's GPU work takes this many times the roofline's figure
     observed: dict[str, Any]
     notes: list[str] = field(default_factory=list)
+    # Closed loop: this many clients, each sending its next request when its last one ends (0: open loop).
+    clients: int = 0
 
     @property
     def name(self) -> str:
@@ -393,6 +395,11 @@ def fit(window: Window, *, gpu: str | None = None, model: str | None = None, ser
         lengths_from = arrivals_from = "engine counters"
         notes.append(f"lengths from token counters: their means per {LENGTH_BIN_S:g} s; prompt spread assumed "
                      f"(log-normal sigma {ASSUMED_SIGMA}); output spread {how}")
+    clients = _closed_loop_clients(obs)
+    if clients:
+        notes.append(f"closed loop: {clients} requests in the engine (running plus waiting) through the window, "
+                     f"whatever the rate; the twin replays {clients} clients that each send their next request when "
+                     f"the last one ends, the lengths drawn minute by minute as fitted")
     held = np.mean([b.prompt_mean + b.output_mean / 2 for b in bins])  # a preempted request's KV, on average
     speed, speed_note = _speed_factor(obs, duration, group, model_key,
                                       _kv_capacity_tokens(gpu_key, group, model_key, knobs), held)
@@ -405,10 +412,29 @@ def fit(window: Window, *, gpu: str | None = None, model: str | None = None, ser
         duration_s=duration, initial_requests=initial, bins=bins, sigma_prompt=sp, sigma_output=so,
         lengths_from=lengths_from, arrivals_from=arrivals_from,
         max_model_len=_max_model_len(model_key), activation_bytes=ACTIVATION_BYTES_ESTIMATE, speed_factor=speed,
-        observed=summarize_observed(obs, duration), notes=notes + [
+        clients=clients, observed=summarize_observed(obs, duration), notes=notes + [
             f"KV pool sized as vLLM sizes it: {knobs.gpu_memory_utilization:g} of the device less "
             f"{shape.weight_bytes / GIB:.1f} GiB of weights and an estimated "
             f"{ACTIVATION_BYTES_ESTIMATE / GIB:.0f} GiB of activations"])
+
+
+# A window is a closed loop when the requests in the engine (running plus waiting) stay at one count:
+# its 10th percentile within this share of its maximum, over at least this many requests. Clients that
+# send their next request when the last ends (a load generator at a fixed concurrency) hold the count
+# there while the arrival rate follows the engine's speed; an open stream's count rises and falls.
+CLOSED_LOOP_SHARE = 0.95
+CLOSED_LOOP_MIN_CLIENTS = 4
+
+
+def _closed_loop_clients(obs: Observed) -> int:
+    """The number of clients of a closed-loop window, 0 for an open one."""
+    ins = (np.nan_to_num(obs.running) + np.nan_to_num(obs.waiting))
+    if ins.size < 10:
+        return 0
+    top = float(np.max(ins))
+    if top < CLOSED_LOOP_MIN_CLIENTS or np.percentile(ins, 10) < CLOSED_LOOP_SHARE * top:
+        return 0
+    return int(round(top))
 
 
 def _kv_capacity_tokens(gpu_key: str, group: str, model_key: str, knobs: Knobs) -> float:
@@ -420,11 +446,13 @@ def _kv_capacity_tokens(gpu_key: str, group: str, model_key: str, knobs: Knobs) 
     return max(0.0, pool) / shape.kv_bytes_per_token
 
 
-# Output spread from KV occupancy: samples where the cache holds a fifth or more of its capacity but is
-# not full (at a full cache, admission and preemption decide who holds it, not lengths alone), once the
-# requests in the engine have turned over (as many have finished as are running: before that the
+# Output spread from KV occupancy: samples where the cache holds a fifth or more of its capacity, once
+# the requests in the engine have turned over (as many have finished as are running: before that the
 # running ones are young, their outputs short, and they say nothing of the spread); and the largest
 # spread accepted (a heavier tail than this is a few huge outputs the mean does not describe).
+# Full-cache samples count too: the relation is an identity of what the running requests hold, at a
+# full cache as below it, and in a window that is mostly full the samples below it are a biased pick
+# (the moments just after long requests finished, when the KV per running request is lowest).
 OCCUPANCY_KV_MIN = 0.2
 MAX_OUTPUT_SIGMA = 1.5
 
@@ -439,10 +467,11 @@ def _output_spread(obs: Observed, bins: list[Bin], capacity_tokens: float) -> tu
     done = np.nan_to_num(obs.finished - np.nanmin(obs.finished))
     turned = np.nonzero(done >= np.nan_to_num(obs.running))[0]
     after = obs.t >= (obs.t[turned[np.argmax(obs.t[turned] > 0)]] if turned.size else np.inf)
-    sel = (obs.kv >= OCCUPANCY_KV_MIN) & (obs.kv < KV_FULL_RATIO) & (obs.running >= 1) & after
+    sel = (obs.kv >= OCCUPANCY_KV_MIN) & (obs.running >= 1) & after
+    full = f", {int((sel & (obs.kv >= KV_FULL_RATIO)).sum())} at a full cache"
     if not sel.any() or capacity_tokens <= 0:
         return ASSUMED_SIGMA, (f"assumed (log-normal sigma {ASSUMED_SIGMA}: after the requests turned over, the "
-                               f"KV cache was never between {OCCUPANCY_KV_MIN:.0%} and {KV_FULL_RATIO:.0%} full)")
+                               f"KV cache never held {OCCUPANCY_KV_MIN:.0%} of its capacity)")
     mids = np.array([(b.start_s + b.end_s) / 2 for b in bins])
     p = np.interp(obs.t[sel], mids, [b.prompt_mean for b in bins])
     o = np.interp(obs.t[sel], mids, [b.output_mean for b in bins])
@@ -451,7 +480,7 @@ def _output_spread(obs: Observed, bins: list[Bin], capacity_tokens: float) -> tu
     sigma = math.sqrt(math.log(g)) if g > 1.0 else 0.0
     sigma = min(sigma, MAX_OUTPUT_SIGMA)
     return sigma, (f"log-normal sigma {sigma:.2f}, fitted so the running requests hold the KV the window shows "
-                   f"({int(sel.sum())} samples)")
+                   f"({int(sel.sum())} samples{full})")
 
 
 # Calibration of the engine's speed: one-minute spans in which requests ran throughout (the engine loop
@@ -605,6 +634,8 @@ class FittedWorkload(Workload):
                                                                                    LengthDist(1)),))])
         self.fitted = f
         self.replicas = replicas
+        # The engine releases a closed loop's requests one per finished request (SimEngine).
+        self.clients = int(math.ceil(f.clients / replicas)) if f.clients else 0
 
     def validate(self) -> None:
         super().validate()
@@ -630,9 +661,27 @@ class FittedWorkload(Workload):
             output = _draw(rng, b.output_mean, f.sigma_output, n, cap)
             seqs.extend(Sequence(0, float(t), int(p), int(o), 1, "fitted") for t, p, o in zip(at, prompt, output))
         seqs.sort(key=lambda s: s.arrival_s)
+        if self.clients:
+            seqs = self._closed(rng, seqs, cap)
         for i, s in enumerate(seqs):
             s.seq_id = i
         return seqs
+
+    def _closed(self, rng, seqs: list[Sequence], cap: int) -> list[Sequence]:
+        """The closed loop's requests: the clients' first ones at the start, the rest in the fitted order
+        (their lengths those of the minute the window saw them in), with room for a twin that runs faster
+        than the window (the last minute's lengths). The engine sets the arrival of each after the first
+        ``clients`` when a request ends."""
+        f, n = self.fitted, self.clients
+        extra = max(n, len(seqs) // 2)
+        b = f.bins[-1]
+        seqs += [Sequence(0, math.inf, int(p), int(o), 1, "fitted") for p, o in
+                 zip(_draw(rng, b.prompt_mean, f.sigma_prompt, extra, cap),
+                     _draw(rng, b.output_mean, f.sigma_output, extra, cap))]
+        for i, s in enumerate(seqs):
+            s.arrival_s = float(rng.uniform(0.0, min(1.0, f.duration_s))) if i < n else math.inf
+        head = sorted(seqs[:n], key=lambda s: s.arrival_s)
+        return head + seqs[n:]
 
 
 def _draw(rng, mean: float, sigma: float, n: int, cap: int) -> np.ndarray:
@@ -660,7 +709,14 @@ def engine(f: Fitted) -> EngineConfig:
         # a prefix cache would hold only preempted requests' own blocks. Left off, the twin recomputes
         # them, as the windows of vLLM at a full cache show (their hit ratio falls to about 1 %).
         kv=KVConfig(strategy="paged", block_size=k.block_size, prefix_caching=False, max_model_len=f.max_model_len),
-        scheduler=SchedulerConfig(max_num_seqs=k.max_num_seqs, max_num_batched_tokens=k.max_num_batched_tokens),
+        # vLLM V1's scheduler (vllm/v1/core/sched/scheduler.py, FCFS): a step schedules every running
+        # request first, then waiting ones; when a running request cannot get a block it preempts the
+        # last to join the batch (``self.running.pop()``); a step that preempted admits no waiting
+        # request (``if not preempted_reqs``); the waiting queue stops at the first request it cannot
+        # allocate (``if new_blocks is None: break``), nothing behind it is tried.
+        scheduler=SchedulerConfig(max_num_seqs=k.max_num_seqs, max_num_batched_tokens=k.max_num_batched_tokens,
+                                  policy="newest", admit_while_preempting=False, running_first=True,
+                                  admission_lookahead=0),
         layout=DeviceLayout(memory_fraction=1.0, activation_bytes=f.activation_bytes,
                             cuda_context_bytes=512 * 1024**2 * k.tensor_parallel_size,
                             gpu_memory_utilization=k.gpu_memory_utilization))
@@ -699,6 +755,58 @@ class FittedScenario(Scenario):
                 elif name == "gpu-memory-utilization":
                     cfg.layout.gpu_memory_utilization = float(value)
         return cfg, workload(self.fitted, replicas)
+
+
+# Fixes proposed from the fitted run's own findings (``--fix auto``, the default on a fitted window).
+# A share of the device vLLM may give the pool beyond the window's, and the most it is raised to: 0.95
+# leaves room for the CUDA context and the sampler's buffers, which vLLM's profile does not count.
+GMU_STEP = 0.05
+GMU_MAX = 0.95
+STORM_KINDS = ("kv_eviction_storm",)
+QUEUE_KINDS = ("queue_avalanche",)
+
+
+@dataclass
+class Candidate:
+    """A fix the twin's findings propose, with the parameter and why."""
+
+    fix: str
+    reason: str
+
+
+def candidate_fixes(f: Fitted, res) -> list[Candidate]:
+    """The fixes the unfixed twin's findings propose, each with a parameter (gpudiag.repro.RunResult).
+
+    For a paged engine at capacity that preempts (a KV-eviction-storm finding, or the twin's own
+    regime): ``max-num-seqs=N``, N the number of requests the twin ran while its KV cache was full
+    (the batch the pool holds; a cap there admits no request the pool must then preempt);
+    ``replicas=2``; a larger ``gpu-memory-utilization`` where the window's leaves room. A queue
+    avalanche proposes ``replicas=2``. A calm twin proposes none.
+    """
+    kinds = {fd.kind for fd in res.findings}
+    sim = summarize_run(res)
+    storm = bool(kinds & set(STORM_KINDS)) or regime(sim, f.duration_s) == "preempting"
+    out: list[Candidate] = []
+    if storm:
+        eng = res.window.table("engine")
+        kv, running = _col(eng, M.kv_cache_usage_perc), _col(eng, M.num_requests_running)
+        full = (kv >= KV_FULL_RATIO) & ~np.isnan(running)
+        why = ("the KV-eviction-storm finding" if kinds & set(STORM_KINDS)
+               else "the twin's preemptions at a full KV cache")
+        if full.any():
+            n = int(np.floor(np.median(running[full])))
+            if 1 <= n < f.knobs.max_num_seqs:
+                out.append(Candidate(f"max-num-seqs={n}", f"{why}: the twin ran {n} requests (median) while its KV "
+                                     f"cache was full; a batch capped there fits the pool"))
+        out.append(Candidate("replicas=2", f"{why}: half the traffic per replica halves the KV each pool holds"))
+        gmu = f.knobs.gpu_memory_utilization
+        if gmu + 1e-9 < GMU_MAX:
+            new = round(min(GMU_MAX, gmu + GMU_STEP), 2)
+            out.append(Candidate(f"gpu-memory-utilization={new:g}", f"{why}: a larger share of the device for the "
+                                 f"KV pool (from {gmu:g})"))
+    if kinds & set(QUEUE_KINDS) and not any(c.fix == "replicas=2" for c in out):
+        out.append(Candidate("replicas=2", "the queue-avalanche finding: the engine cannot keep up with arrivals"))
+    return out
 
 
 def parse_fix(text: str, f: Fitted) -> tuple[str, float]:
@@ -852,7 +960,8 @@ def save(f: Fitted, path: str) -> None:
              f'format = "{FORMAT}"']
     top = {k: getattr(f, k) for k in ("source", "gpu", "gpu_name", "model", "model_name", "duration_s",
                                       "initial_requests", "sigma_prompt", "sigma_output", "lengths_from",
-                                      "arrivals_from", "max_model_len", "activation_bytes", "speed_factor")}
+                                      "arrivals_from", "max_model_len", "activation_bytes", "speed_factor",
+                                      "clients")}
     lines += [f"{k} = {_toml_value(v)}" for k, v in top.items()]
     lines.append(f"notes = {_toml_value(f.notes)}")
     lines.append("\n[knobs]")
@@ -894,7 +1003,7 @@ def load(path: str) -> Fitted:
                    sigma_output=float(d["sigma_output"]), lengths_from=d["lengths_from"],
                    arrivals_from=d["arrivals_from"], max_model_len=int(d["max_model_len"]),
                    activation_bytes=int(d["activation_bytes"]), speed_factor=float(d["speed_factor"]),
-                   observed=dict(d.get("observed", {})),
+                   observed=dict(d.get("observed", {})), clients=int(d.get("clients", 0)),
                    notes=list(d.get("notes", [])))
     except (KeyError, TypeError, ValueError) as exc:
         raise GpudiagError(f"{path}: a fitted scenario with a missing or bad field ({exc})") from None

@@ -44,9 +44,25 @@ def twin(run, tmp: Path, seed: int = 0) -> dict:
     wall = time.perf_counter() - t0
     sim = repro_fit.summarize_run(res)
     return {**out, "duration_s": f.duration_s, "speed_factor": f.speed_factor, "sigma_output": f.sigma_output,
-            "max_num_seqs": f.knobs.max_num_seqs, "tp": f.knobs.tensor_parallel_size,
+            "max_num_seqs": f.knobs.max_num_seqs, "tp": f.knobs.tensor_parallel_size, "clients": f.clients,
             "fidelity": repro_fit.fidelity(f.observed, sim, f.duration_s), "observed": f.observed,
             "simulated": sim, "wall_s": wall}
+
+
+def preemption_ratio(d: dict) -> float | None:
+    """Twin over observed preemptions, where the window preempted."""
+    o = d["observed"]["preemptions"]
+    return d["simulated"]["preemptions"] / o if o else None
+
+
+def summary(docs: list[dict]) -> str:
+    """Regime kept, and preemptions within 2x of observed on the runs that preempted."""
+    described = [d for d in docs if "not_described" not in d]
+    same = sum(d["fidelity"]["same_regime"] for d in described)
+    storms = [d for d in described if d["observed"]["preemptions"] > 0]
+    within = [d["run"] for d in storms if 0.5 <= preemption_ratio(d) <= 2.0]
+    return (f"{len(described)} runs described: the twin keeps the regime in {same}; preemptions within 2x of "
+            f"observed in {len(within)} of the {len(storms)} that preempted ({', '.join(within) or 'none'})")
 
 
 def row(d: dict) -> str:
@@ -58,12 +74,14 @@ def row(d: dict) -> str:
         return f"{v:.0%}" if v is not None else "n/a"
 
     verdict = "same regime" if fid["same_regime"] else "DIFFERENT regime"
+    loop = f", closed loop of {d['clients']}" if d.get("clients") else ""
     return (f"| {d['run']} | {fid['observed_regime']} / {fid['simulated_regime']} "
             f"| {pct(o['kv_max'])} / {pct(s['kv_max'])} "
-            f"| {pct(o['kv_full_share'])} / {pct(s['kv_full_share'])} | {o['preemptions']} / {s['preemptions']} "
+            f"| {pct(o['kv_full_share'])} / {pct(s['kv_full_share'])} | {o['preemptions']} / {s['preemptions']}"
+            f"{f' ({ratio:.2f}x)' if (ratio := preemption_ratio(d)) is not None else ''} "
             f"| {o['running_mean']:.0f} / {s['running_mean']:.0f} | {o['waiting_mean']:.0f} / {s['waiting_mean']:.0f} "
             f"| {o['generation_tokens_per_s']:.0f} / {s['generation_tokens_per_s']:.0f} "
-            f"| {d['speed_factor']:.2f}x, σ {d['sigma_output']:.2f}; {verdict} |")
+            f"| {d['speed_factor']:.2f}x, σ {d['sigma_output']:.2f}{loop}; {verdict} |")
 
 
 HEADER = ("| run | regime (observed / twin) | KV max | time at full KV | preemptions | running mean | waiting mean "
@@ -95,6 +113,8 @@ def main() -> int:
                 print(row(d), flush=True)
     if args.json:
         print(json.dumps(docs, indent=1, default=float))
+    else:
+        print(f"\n{summary(docs)}")
     return 0
 
 

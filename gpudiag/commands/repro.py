@@ -24,7 +24,8 @@ def repro(
                                              "(scenario.toml, written by --save)."),
     fix: Optional[str] = typer.Option(None, "--fix", help="Apply a fix and compare with the unfixed run. On a "
                                       "fitted window: one or more, comma-separated, with parameters "
-                                      "(max-num-seqs=128,replicas=2)."),
+                                      "(max-num-seqs=128,replicas=2); auto (the default there) runs the fixes the "
+                                      "twin's findings propose, none runs no fix."),
     seed: int = typer.Option(0, "--seed", help="Random seed; the same seed gives the same run."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
     list_: bool = typer.Option(False, "--list", help="List scenarios and their fixes."),

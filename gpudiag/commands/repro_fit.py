@@ -45,6 +45,13 @@ def run_fitted(fitted, *, fixes: list[str], seed: int, as_json: bool, save: str 
     from gpudiag import repro_fit as F
 
     sc = F.scenario(fitted)
+    auto = fixes in ([], ["auto"])  # the fixes the unfixed twin's findings propose
+    if fixes == ["none"]:
+        fixes = []
+    elif "auto" in fixes or "none" in fixes:
+        raise GpudiagError("--fix auto and --fix none stand alone: give them without other fixes")
+    if auto:
+        fixes = []
     for fx in fixes:  # refuse a fix the twin cannot judge before minutes of simulation
         F.parse_fix(fx, fitted)
     if save is not None:
@@ -53,10 +60,16 @@ def run_fitted(fitted, *, fixes: list[str], seed: int, as_json: bool, save: str 
         except OSError as exc:
             raise GpudiagError(f"cannot write {save}: {exc.strerror}") from None
     runs = []
-    for fx in [None, *fixes]:
+    proposed: list = []
+    todo = [None, *fixes]
+    while todo:
+        fx = todo.pop(0)
         res = R.run(sc, fx, seed)
         runs.append({"fix": fx, "summary": F.summarize_run(res),
                      "findings": [f.to_dict() for f in res.findings]})
+        if fx is None and auto:
+            proposed = F.candidate_fixes(fitted, res)
+            todo += [c.fix for c in proposed]
     base = runs[0]["summary"]
     doc: dict[str, Any] = {
         "scenario": fitted.name,
@@ -75,6 +88,8 @@ def run_fitted(fitted, *, fixes: list[str], seed: int, as_json: bool, save: str 
         "observed": fitted.observed,
         "simulated": base,
         "findings": runs[0]["findings"],
+        "fixes_from": "findings" if auto else "--fix",
+        "proposed": [{"fix": c.fix, "reason": c.reason} for c in proposed],
         "fixes": [{"fix": r["fix"], "simulated": r["summary"],
                    "regime": F.regime(r["summary"], fitted.duration_s),
                    "findings": r["findings"]} for r in runs[1:]],
@@ -125,6 +140,13 @@ def _print(out: Console, doc: dict) -> None:
     out.print(t)
     same = "the same regime" if fid["same_regime"] else "[bold]a different regime[/bold]"
     out.print(f"regime: observed {fid['observed_regime']}, twin {fid['simulated_regime']}: {same}")
+    if doc["fixes_from"] == "findings":
+        if doc["proposed"]:
+            out.print("fixes the twin's findings propose (--fix none skips them, --fix NAME=VALUE picks others):")
+            for c in doc["proposed"]:
+                out.print(f"  - {c['fix']}: {c['reason']}", markup=False)
+        else:
+            out.print("no fix proposed: the twin's findings show no engine at capacity and no queue avalanche")
     if doc["fixes"]:
         _print_fixes(out, doc)
 

@@ -13,6 +13,14 @@ Preemption policies (victim among the running batch):
   that needs room are candidates (a running request of a higher tier is
   never evicted); the lowest tier goes first, LRU within a tier. With no
   candidate, the sequence that needs room preempts itself.
+- ``newest``: vLLM V1's FCFS rule (vllm/v1/core/sched/scheduler.py,
+  ``preempted_req = self.running.pop()``): the last sequence to join the
+  running batch, which may be the one that needs room (it then preempts
+  itself). The batch keeps its oldest, largest sequences, which finish.
+
+With ``admit_while_preempting`` off, as in vLLM V1 (``if not preempted_reqs:``
+before it schedules the waiting queue), no waiting sequence is admitted in a
+step that preempted: the running batch takes the freed memory first.
 
 Batching (admission):
 - ``fcfs``: in arrival order while the KV manager can allocate.
@@ -33,7 +41,7 @@ from gpudiag.errors import GpudiagError
 from gpudiag.reference_engine.core.kv_manager import KVManager
 from gpudiag.reference_engine.core.sequence import Sequence, Status
 
-POLICIES = ("lru", "priority")
+POLICIES = ("lru", "priority", "newest")
 # How far into the waiting queue admission looks: far enough for every realistic queue of
 # sequences known not to fit, bounded so that a step's cost does not grow with a runaway queue.
 ADMISSION_SCAN = 1024
@@ -54,8 +62,15 @@ class SchedulerConfig:
     # Allocation attempts past a head of the queue that cannot get KV memory, per prefill. A
     # sequence already known not to fit (see the failure floor) is passed over without an
     # attempt and does not count: however many long recomputes wait at the head, short
-    # requests behind them are still admitted while memory allows.
+    # requests behind them are still admitted while memory allows. 0: nothing is tried behind a head
+    # that does not fit, known or not (vLLM V1's waiting loop: ``if new_blocks is None: break``).
     admission_lookahead: int = 16
+    # False: a decode step that preempted holds admission until a decode step that did not (vLLM V1).
+    admit_while_preempting: bool = True
+    # True: a prefill step is followed by a decode step of the running batch before the next prefill
+    # (vLLM V1 schedules every running request first in each step, then waiting ones in the tokens
+    # and KV left: running requests get their next blocks before new prompts take them).
+    running_first: bool = False
 
     def validate(self) -> None:
         """Raise GpudiagError on values no scheduler could run with."""
@@ -97,6 +112,7 @@ class Scheduler:
         self.stats = StepStats()
         self._running_estimate = 0  # memory-aware: estimated final bytes of the running batch
         self._running_long = 0
+        self._preempted_in_decode = False
 
     # -- queue ---------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -127,6 +143,8 @@ class Scheduler:
 
     def can_admit(self) -> bool:
         """True when a prefill step could start now."""
+        if self._preempted_in_decode and not self.cfg.admit_while_preempting and self.running:
+            return False
         return bool(self.waiting) and len(self.running) < self.cfg.max_num_seqs and not self.admission_blocked
 
     def retry_admission(self) -> None:
@@ -160,6 +178,8 @@ class Scheduler:
             if self.cfg.batching == "memory-aware" and not self._fits_estimate(seq):
                 break
             if not self._worth_trying(seq):
+                if self.cfg.admission_lookahead == 0:
+                    break  # strictly first come, first served: nothing passes a head that does not fit
                 skipped.append(self.waiting.popleft())
                 continue
             failed = self.kv.allocate(seq, n + 1)
@@ -205,10 +225,12 @@ class Scheduler:
     def prepare_decode(self, now: float) -> list[Sequence]:
         """Make room for one more token of every running sequence; returns the decode batch."""
         self.kv.now = now
+        evictions = self.stats.evictions
         for seq in list(self.running):
             if seq.status is not Status.RUNNING:
                 continue  # evicted earlier in this loop
             self._make_room(seq, seq.num_tokens + 1)
+        self._preempted_in_decode = self.stats.evictions > evictions
         return self.running
 
     def _make_room(self, seq: Sequence, tokens: int) -> bool:
@@ -229,6 +251,9 @@ class Scheduler:
             if not others:
                 return None
             return min(others, key=lambda s: (-s.tier, s.admitted_s, s.seq_id))
+        if self.cfg.policy == "newest":
+            last = self.running[-1]  # admission order: preempted sequences rejoin at the end
+            return None if last is needy else last
         if not others:
             return None
         return min(others, key=lambda s: (s.admitted_s, s.seq_id))

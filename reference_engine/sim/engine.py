@@ -161,6 +161,10 @@ class SimEngine:
         self.cfg = cfg
         self.workload = workload
         self.requests = workload.generate(seed)
+        # A closed loop (a workload with ``clients``): its first ``clients`` requests arrive as
+        # generated, each later one when an earlier one ends (its arrival_s is set then).
+        self._released = getattr(workload, "clients", 0) or math.inf
+        self._prefilled = False  # running_first: a prefill step ran since the last decode step
         self.clock = clock or VirtualClock()
         self.node = node
         self.gpu_index = gpu_index
@@ -211,10 +215,13 @@ class SimEngine:
                 t = max(t, min(self._next_arrival_s(), duration))
                 if self._pre is not None and (ready := self._pre.next_ready_s()) is not None:
                     t = min(t, ready)
-            elif self.sched.can_admit() and (batch := self.sched.schedule_prefill(t)):
+            elif self.sched.can_admit() and not (self._prefilled and self.sched.running) \
+                    and (batch := self.sched.schedule_prefill(t)):
                 t = self._prefill(t, batch)
+                self._prefilled = self.cfg.scheduler.running_first
             else:
                 t = self._decode(t)
+                self._prefilled = False
             self.clock.advance_to(min(t, duration))
             while emitted + 1 <= min(t, duration):
                 yield from self._sample(emitted)
@@ -400,6 +407,9 @@ class SimEngine:
 
     def _finish(self, seq: Sequence, t: float) -> None:
         self.sched.finish(seq, t)
+        if self._released < len(self.requests):  # closed loop: the client sends its next request
+            self.requests[self._released].arrival_s = t
+            self._released += 1
         if self.leak is not None and not self.leak.on_request_done(t):
             seq.status = Status.FAILED  # its last step ran out of device memory: the client gets an error
             self.failed_total += 1
