@@ -6,11 +6,10 @@ engine's own source (cited per page), the counts those of a busy replica.
 
 from __future__ import annotations
 
-import http.server
 import json
-import threading
 
 import pytest
+from http_support import PageServer
 
 from gpudiag.catalog import CATALOG, M
 from gpudiag.probes import engine_dialects
@@ -190,36 +189,9 @@ tgi_request_count 900
     + hist("tgi_request_duration", "", TGI_BOUNDS, [6.0] * 50)
 
 
-class _Endpoint:
-    def __init__(self):
-        self.pages: dict[str, str] = {}
-        endpoint = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
-                page = endpoint.pages.get(self.path)
-                body = (page or "not found\n").encode()
-                self.send_response(200 if page is not None else 404)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.base = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.fixture
 def endpoint():
-    ep = _Endpoint()
+    ep = PageServer()
     yield ep
     ep.close()
 

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import http.server
-import threading
-
 import pytest
+from http_support import PageServer
 
 from gpudiag.catalog import M
 from gpudiag.errors import GpudiagError
@@ -75,38 +73,9 @@ gpudiag_engine_serving_state{engine="0",state="draining"} 0.0
 """
 
 
-class _Endpoint:
-    def __init__(self):
-        self.page = ""
-        self.content_type = "text/plain; version=0.0.4"
-        endpoint = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
-                body = endpoint.page.encode()
-                self.send_response(200)
-                self.send_header("Content-Type", endpoint.content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/metrics"
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05},
-                                       daemon=True)
-        self.thread.start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.fixture
 def endpoint():
-    ep = _Endpoint()
+    ep = PageServer()
     yield ep
     ep.close()
 

@@ -6,8 +6,8 @@ import pytest
 
 from gpudiag.catalog import M
 from gpudiag.probes.nvml import NVLINK_ERROR_KINDS, THROTTLE_REASON_BITS
-from gpudiag.reference_engine.sim import engine as engine_mod
 from gpudiag.reference_engine import scenarios
+from gpudiag.reference_engine.sim import engine as engine_mod
 from gpudiag.reference_engine.sim.engine import PCIE_D2H_BYTES_PER_TOKEN, PCIE_H2D_BYTES_PER_TOKEN, SimEngine
 
 SECONDS = 60
