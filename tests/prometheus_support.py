@@ -118,3 +118,19 @@ def backfilled_prometheus(tmp: Path, openmetrics: Path, ready_query: str, ready_
     finally:
         stop(prom)
         log.close()
+
+
+@contextlib.contextmanager
+def prometheus_over_span(tmp_path_factory, name: str, openmetrics_of, span_s: int, ready_query: str):
+    """Prometheus over a span of ``span_s`` seconds ending ten minutes ago, written by ``openmetrics_of(t0)``:
+    (url, t0), where t0 is the span's first sample time (on a whole minute)."""
+    tmp = tmp_path_factory.mktemp(name)
+    t0 = (int(time.time()) - span_s - 600) // 60 * 60
+    (tmp / "series.om").write_text(openmetrics_of(t0))
+    with backfilled_prometheus(tmp, tmp / "series.om", ready_query, t0 + 600) as url:
+        yield url, t0
+
+
+def window_args(t0: int, end_s: float) -> list[str]:
+    """``--from t0 --to t0+end_s`` for a command reading a backfilled span."""
+    return ["--from", str(t0), "--to", str(t0 + end_s)]

@@ -11,10 +11,9 @@ preemption storm finds SGLang's.
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
-from prometheus_support import backfilled_prometheus
+from prometheus_support import prometheus_over_span, window_args
 
 from gpudiag import promql_source as P
 from gpudiag.catalog import M
@@ -120,15 +119,10 @@ def _openmetrics(t0: int) -> str:
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     """Prometheus over the backfilled hour: (url, first sample time)."""
-    tmp = tmp_path_factory.mktemp("prom-dialects")
-    t0 = (int(time.time()) - SPAN_S - 600) // 60 * 60
-    (tmp / "series.om").write_text(_openmetrics(t0))
-    with backfilled_prometheus(tmp, tmp / "series.om", "tgi_queue_size", t0 + 600) as url:
-        yield url, t0
+    with prometheus_over_span(tmp_path_factory, "prom-dialects", _openmetrics, SPAN_S, "tgi_queue_size") as got:
+        yield got
 
 
-def _window(t0: int) -> list[str]:
-    return ["--from", str(t0), "--to", str(t0 + SPAN_S - SAMPLE_S)]
 
 
 def test_every_dialect_becomes_an_engine_of_its_own(engines):
@@ -161,7 +155,7 @@ def test_every_dialect_becomes_an_engine_of_its_own(engines):
 
 def test_sglangs_retraction_storm_is_the_eviction_storm(cli, engines):
     url, t0 = engines
-    p = cli("investigate", "--prometheus", url, *_window(t0), "--node", NODE, "--json")
+    p = cli("investigate", "--prometheus", url, *window_args(t0, SPAN_S - SAMPLE_S), "--node", NODE, "--json")
     assert p.returncode == 1, p.stderr
     doc = json.loads(p.stdout)
     storms = [f for f in doc["findings"] if f["kind"] == "kv_eviction_storm"]

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
-from prometheus_support import backfilled_prometheus, free_port, get_json, start_prometheus, stop, wait
+from prometheus_support import free_port, get_json, prometheus_over_span, start_prometheus, stop, wait, window_args
 
 from gpudiag import promql_source as P
 
@@ -192,20 +192,15 @@ def _openmetrics(t0: int) -> str:
 @pytest.fixture(scope="module")
 def foreign(tmp_path_factory):
     """Prometheus over a TSDB backfilled with dcgm-exporter's and vLLM's series: (url, first sample time)."""
-    tmp = tmp_path_factory.mktemp("prom-foreign")
-    t0 = (int(time.time()) - SPAN_S - 600) // 60 * 60
-    (tmp / "series.om").write_text(_openmetrics(t0))
-    with backfilled_prometheus(tmp, tmp / "series.om", "DCGM_FI_DEV_GPU_TEMP", t0 + 600) as url:
-        yield url, t0
+    with prometheus_over_span(tmp_path_factory, "prom-foreign", _openmetrics, SPAN_S, "DCGM_FI_DEV_GPU_TEMP") as got:
+        yield got
 
 
-def _foreign_window(t0: int) -> list[str]:
-    return ["--from", str(t0), "--to", str(t0 + SPAN_S - SAMPLE_S)]
 
 
 def test_vllm_and_dcgm_series_give_a_storm_a_thermal_slowdown_and_an_xid(cli, foreign):
     url, t0 = foreign
-    p = cli("investigate", "--prometheus", url, *_foreign_window(t0), "--node", NODE, "--json")
+    p = cli("investigate", "--prometheus", url, *window_args(t0, SPAN_S - SAMPLE_S), "--node", NODE, "--json")
     assert p.returncode == 1, p.stderr
     doc = json.loads(p.stdout)
     by_kind = {}
@@ -260,7 +255,7 @@ def test_dcgm_units_become_si_and_labels_the_frames_own(foreign):
 def test_a_long_window_is_read_in_ranges_under_the_per_series_limit(cli, foreign):
     url, t0 = foreign
     # 0.5 s steps over two hours: 14,391 points per series, more than one range query takes.
-    p = cli("investigate", "--prometheus", url, *_foreign_window(t0), "--step", "0.5s", "--json")
+    p = cli("investigate", "--prometheus", url, *window_args(t0, SPAN_S - SAMPLE_S), "--step", "0.5s", "--json")
     assert p.returncode == 1, p.stderr
     kinds = {f["kind"] for f in json.loads(p.stdout)["findings"]}
     assert {"kv_eviction_storm", "throttling", "hardware_errors"} <= kinds
@@ -362,7 +357,7 @@ def _with_terminal_stderr(args: list[str], tmp: Path) -> tuple[int, str, bytes]:
 
 def test_a_long_window_draws_a_progress_bar_on_a_terminal_but_not_for_json_to_a_pipe(foreign, tmp_path):
     url, t0 = foreign
-    args = ["investigate", "--prometheus", url, *_foreign_window(t0), "--node", NODE]
+    args = ["investigate", "--prometheus", url, *window_args(t0, SPAN_S - SAMPLE_S), "--node", NODE]
     rc, stdout, terminal = _with_terminal_stderr(args, tmp_path)
     assert rc == 1, terminal.decode(errors="replace")
     assert "kv_eviction_storm" in stdout
