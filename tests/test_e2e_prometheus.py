@@ -91,8 +91,9 @@ NO_DATA_ON_SIM: dict[str, tuple[str, ...]] = {
         "gpudiag_cuda_degenerate_launches_total",
         "gpudiag_host_runqueue_wait_seconds_total",
     ),
-    # vLLM's prefix cache: the reference engine has none, so it exports no hit/query counters.
-    "vllm-prefix-cache": ("vllm:prefix_cache_hits_total",),
+    # vLLM's prefix cache (read through its recorded name): the reference engine has none, so it exports
+    # no hit/query counters.
+    "vllm-prefix-cache": ("gpudiag:prefix_cache_hits_total",),
     # The reference engine has no admission control, so nothing is ever rejected.
     "engine-admission": ("gpudiag_engine_requests_rejected_total",),
     # Catalogued and drawn, but no probe exports it: the memory_fragmentation analyzer
@@ -190,10 +191,13 @@ def agent_and_prometheus(tmp: Path, scenario: str):
     agent_port, prom_port = free_port(), free_port()
     rules, windows = shortened_rules((DASH_DIR / "alerts.yaml").read_text(), SIM_SPEED)
     (tmp / "alerts.yaml").write_text(rules)
+    # The boards read the engine's series through the recording rules (engine_rules.yaml), loaded
+    # beside the alerts as docs/dashboards.md says a Prometheus should.
+    (tmp / "engine_rules.yaml").write_text((DASH_DIR / "engine_rules.yaml").read_text())
     (tmp / "prometheus.yml").write_text(yaml.safe_dump({
         "global": {"scrape_interval": f"{SCRAPE_INTERVAL_S}s", "scrape_timeout": f"{SCRAPE_INTERVAL_S}s",
                    "evaluation_interval": f"{EVALUATION_INTERVAL_S}s"},
-        "rule_files": [str(tmp / "alerts.yaml")],
+        "rule_files": [str(tmp / "alerts.yaml"), str(tmp / "engine_rules.yaml")],
         "scrape_configs": [{"job_name": "gpudiag", "static_configs": [{"targets": [f"127.0.0.1:{agent_port}"]}]}],
     }))
     prom_log, agent_log = open(tmp / "prometheus.log", "wb"), open(tmp / "agent.log", "wb")
@@ -206,8 +210,10 @@ def agent_and_prometheus(tmp: Path, scenario: str):
         base = f"http://127.0.0.1:{prom_port}"
         wait("prometheus /-/ready", PROMETHEUS_READY_S, lambda: _http_ok(f"{base}/-/ready"), prom_proc)
         prom = Prom(base)
-        loaded = {r["name"] for g in prom.get("/api/v1/rules")["groups"] for r in g["rules"]}
+        groups = prom.get("/api/v1/rules")["groups"]
+        loaded = {r["name"] for g in groups for r in g["rules"] if r["type"] == "alerting"}
         assert loaded == set(windows), "Prometheus did not load every rule of alerts.yaml"
+        assert any(r["type"] == "recording" for g in groups for r in g["rules"]), "engine_rules.yaml not loaded"
 
         agent_proc = subprocess.Popen(
             [sys.executable, "-m", "gpudiag", "agent", "--sim", scenario, "--speed", str(SIM_SPEED), "--seed", "0",
