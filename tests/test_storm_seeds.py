@@ -60,8 +60,7 @@ def ten_seeds(scenario_run):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not TEN_SEEDS, reason="twenty two-hour runs (half an hour or more on one core): "
-                                          "set GPUDIAG_STORM_SEEDS=1, or run bench/bench_storm_seeds.py")
+@pytest.mark.storm_seeds  # deselected unless GPUDIAG_STORM_SEEDS=1 (tests/conftest.py)
 def test_paged_kv_never_evicts_nor_fails_an_allocation_on_any_seed(ten_seeds):
     # Its TPOT P999 against the calm P99 is part of the shape below: 1.34x to 1.51x over seeds 0-9, the long
     # phase's own KV reads slowing every step (seed 9 passes the 1.5x bound by 0.01).
@@ -70,8 +69,7 @@ def test_paged_kv_never_evicts_nor_fails_an_allocation_on_any_seed(ten_seeds):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not TEN_SEEDS, reason="twenty two-hour runs (half an hour or more on one core): "
-                                          "set GPUDIAG_STORM_SEEDS=1, or run bench/bench_storm_seeds.py")
+@pytest.mark.storm_seeds  # deselected unless GPUDIAG_STORM_SEEDS=1 (tests/conftest.py)
 @pytest.mark.xfail(strict=True, reason="the unfixed run avalanches on most seeds (the long phase's KV demand "
                                        "sits past the contiguous pool's capacity), no mechanism yet idles the "
                                        "GPU below 35 % for a second, and paged-kv's TPOT P999 is 1.51x on seed 9")
