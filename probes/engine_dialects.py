@@ -92,6 +92,11 @@ def _s(name, type_, column, labels=(), buckets=(), where=(), scale=1.0, note="")
     return Series(name, type_, column, tuple(labels), tuple(float(b) for b in buckets), tuple(where), scale, note)
 
 
+def _cat(column, type_, labels=(), buckets=(), note="") -> Series:
+    """A series under the name the catalog gives the column (vLLM's own: the catalog speaks vLLM's dialect)."""
+    return _s(CATALOG[column].name, type_, column, labels, buckets, note=note)
+
+
 # --- vLLM V1 ----------------------------------------------------------------------------------------
 # vllm-project/vllm vllm/v1/metrics/loggers.py (PrometheusStatLogger). Labels: model_name, engine.
 # Bucket lists as declared there; TensorRT-LLM's collector copies them ("Adapted from vLLM").
@@ -108,27 +113,27 @@ _VL = ("model_name", "engine")
 VLLM = Dialect(
     "vllm", "vLLM V1", "vllm-project/vllm vllm/v1/metrics/loggers.py", "/metrics",
     (
-        _s("vllm:num_requests_waiting", GAUGE, M.num_requests_waiting, _VL),
-        _s("vllm:num_requests_running", GAUGE, M.num_requests_running, _VL),
-        _s("vllm:kv_cache_usage_perc", GAUGE, M.kv_cache_usage_perc, _VL),
-        _s("vllm:num_preemptions_total", COUNTER, M.num_preemptions_total, _VL),
-        _s("vllm:prompt_tokens_total", COUNTER, M.prompt_tokens_total, _VL),
-        _s("vllm:generation_tokens_total", COUNTER, M.generation_tokens_total, _VL),
-        _s("vllm:prefix_cache_queries_total", COUNTER, M.prefix_cache_queries_total, _VL),
-        _s("vllm:prefix_cache_hits_total", COUNTER, M.prefix_cache_hits_total, _VL),
-        _s("vllm:time_to_first_token_seconds", HISTOGRAM, M.time_to_first_token_seconds, _VL, VLLM_TTFT_BUCKETS),
-        _s("vllm:inter_token_latency_seconds", HISTOGRAM, M.inter_token_latency_seconds, _VL, VLLM_ITL_BUCKETS),
-        _s("vllm:e2e_request_latency_seconds", HISTOGRAM, M.e2e_request_latency_seconds, _VL,
+        _cat(M.num_requests_waiting, GAUGE, _VL),
+        _cat(M.num_requests_running, GAUGE, _VL),
+        _cat(M.kv_cache_usage_perc, GAUGE, _VL),
+        _cat(M.num_preemptions_total, COUNTER, _VL),
+        _cat(M.prompt_tokens_total, COUNTER, _VL),
+        _cat(M.generation_tokens_total, COUNTER, _VL),
+        _cat(M.prefix_cache_queries_total, COUNTER, _VL),
+        _cat(M.prefix_cache_hits_total, COUNTER, _VL),
+        _cat(M.time_to_first_token_seconds, HISTOGRAM, _VL, VLLM_TTFT_BUCKETS),
+        _cat(M.inter_token_latency_seconds, HISTOGRAM, _VL, VLLM_ITL_BUCKETS),
+        _cat(M.e2e_request_latency_seconds, HISTOGRAM, _VL,
            VLLM_REQUEST_BUCKETS),
-        _s("vllm:request_queue_time_seconds", HISTOGRAM, M.request_queue_time_seconds, _VL, VLLM_REQUEST_BUCKETS),
-        _s("vllm:request_prefill_time_seconds", HISTOGRAM, M.request_prefill_time_seconds, _VL,
+        _cat(M.request_queue_time_seconds, HISTOGRAM, _VL, VLLM_REQUEST_BUCKETS),
+        _cat(M.request_prefill_time_seconds, HISTOGRAM, _VL,
            VLLM_REQUEST_BUCKETS),
-        _s("vllm:request_decode_time_seconds", HISTOGRAM, M.request_decode_time_seconds, _VL, VLLM_REQUEST_BUCKETS),
-        _s("vllm:kv_block_lifetime_seconds", HISTOGRAM, M.kv_block_lifetime_seconds, _VL, VLLM_KV_RESIDENCY_BUCKETS,
+        _cat(M.request_decode_time_seconds, HISTOGRAM, _VL, VLLM_REQUEST_BUCKETS),
+        _cat(M.kv_block_lifetime_seconds, HISTOGRAM, _VL, VLLM_KV_RESIDENCY_BUCKETS,
            note="only with --kv-cache-metrics"),
-        _s("vllm:kv_block_idle_before_evict_seconds", HISTOGRAM, M.kv_block_idle_before_evict_seconds, _VL,
+        _cat(M.kv_block_idle_before_evict_seconds, HISTOGRAM, _VL,
            VLLM_KV_RESIDENCY_BUCKETS, note="only with --kv-cache-metrics"),
-        _s("vllm:kv_block_reuse_gap_seconds", HISTOGRAM, M.kv_block_reuse_gap_seconds, _VL,
+        _cat(M.kv_block_reuse_gap_seconds, HISTOGRAM, _VL,
            VLLM_KV_RESIDENCY_BUCKETS, note="only with --kv-cache-metrics"),
         _s("vllm:cache_config_info", GAUGE, None, ("num_gpu_blocks", "block_size"),
            note="KV capacity in tokens = num_gpu_blocks x block_size (labels)"),
@@ -143,25 +148,25 @@ _V0 = ("model_name",)
 VLLM_V0 = Dialect(
     "vllm-v0", "vLLM V0 names", "vllm-project/vllm vllm/engine/metrics.py", "/metrics",
     (
-        _s("vllm:num_requests_waiting", GAUGE, M.num_requests_waiting, _V0),
-        _s("vllm:num_requests_running", GAUGE, M.num_requests_running, _V0),
+        _cat(M.num_requests_waiting, GAUGE, _V0),
+        _cat(M.num_requests_running, GAUGE, _V0),
         _s("vllm:gpu_cache_usage_perc", GAUGE, M.kv_cache_usage_perc, _V0, note="V1: vllm:kv_cache_usage_perc"),
-        _s("vllm:num_preemptions_total", COUNTER, M.num_preemptions_total, _V0),
-        _s("vllm:prompt_tokens_total", COUNTER, M.prompt_tokens_total, _V0),
-        _s("vllm:generation_tokens_total", COUNTER, M.generation_tokens_total, _V0),
+        _cat(M.num_preemptions_total, COUNTER, _V0),
+        _cat(M.prompt_tokens_total, COUNTER, _V0),
+        _cat(M.generation_tokens_total, COUNTER, _V0),
         _s("vllm:gpu_prefix_cache_queries_total", COUNTER, M.prefix_cache_queries_total, _V0,
            note="V1: vllm:prefix_cache_queries_total"),
         _s("vllm:gpu_prefix_cache_hits_total", COUNTER, M.prefix_cache_hits_total, _V0,
            note="V1: vllm:prefix_cache_hits_total"),
-        _s("vllm:time_to_first_token_seconds", HISTOGRAM, M.time_to_first_token_seconds, _V0, VLLM_TTFT_BUCKETS),
+        _cat(M.time_to_first_token_seconds, HISTOGRAM, _V0, VLLM_TTFT_BUCKETS),
         _s("vllm:time_per_output_token_seconds", HISTOGRAM, M.inter_token_latency_seconds, _V0, VLLM_ITL_BUCKETS,
            note="V1: vllm:inter_token_latency_seconds"),
-        _s("vllm:e2e_request_latency_seconds", HISTOGRAM, M.e2e_request_latency_seconds, _V0,
+        _cat(M.e2e_request_latency_seconds, HISTOGRAM, _V0,
            VLLM_REQUEST_BUCKETS),
-        _s("vllm:request_queue_time_seconds", HISTOGRAM, M.request_queue_time_seconds, _V0, VLLM_REQUEST_BUCKETS),
-        _s("vllm:request_prefill_time_seconds", HISTOGRAM, M.request_prefill_time_seconds, _V0,
+        _cat(M.request_queue_time_seconds, HISTOGRAM, _V0, VLLM_REQUEST_BUCKETS),
+        _cat(M.request_prefill_time_seconds, HISTOGRAM, _V0,
            VLLM_REQUEST_BUCKETS),
-        _s("vllm:request_decode_time_seconds", HISTOGRAM, M.request_decode_time_seconds, _V0, VLLM_REQUEST_BUCKETS),
+        _cat(M.request_decode_time_seconds, HISTOGRAM, _V0, VLLM_REQUEST_BUCKETS),
         _s("vllm:cpu_cache_usage_perc", GAUGE, None, _V0, note="V0 only: swap space in use"),
         _s("vllm:num_requests_swapped", GAUGE, None, _V0, note="V0 only"),
     ),
@@ -564,6 +569,12 @@ def _cache_config_capacity(families: list, out: dict) -> None:
             labels = {k: v for k, v in s.labels.items() if k in ("engine", "model_name")}
             fam = out.setdefault(metric.name, Metric(metric.name, metric.help, metric.type))
             fam.samples.append(Sample(metric.name, labels, tokens, None, None))
+
+
+def vllm_renames() -> dict[str, str]:
+    """vLLM V0's names for what V1 (the catalog) names otherwise: old name -> the catalog's name."""
+    return {s.name: CATALOG[s.column].name for s in VLLM_V0.series
+            if s.column is not None and s.name != CATALOG[s.column].name}
 
 
 def known_names() -> frozenset[str]:

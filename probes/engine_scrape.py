@@ -39,13 +39,8 @@ from gpudiag.frames import Frame
 from gpudiag.probes import engine_dialects
 from gpudiag.probes.base import Probe, ProbeError
 
-# Older vLLM names for catalog metrics; used only when the current name is absent.
-VLLM_ALIASES: dict[str, str] = {
-    "vllm:gpu_cache_usage_perc": "vllm:kv_cache_usage_perc",
-    "vllm:time_per_output_token_seconds": "vllm:inter_token_latency_seconds",
-    "vllm:gpu_prefix_cache_queries_total": "vllm:prefix_cache_queries_total",
-    "vllm:gpu_prefix_cache_hits_total": "vllm:prefix_cache_hits_total",
-}
+# Older vLLM names for catalog metrics (the V0 dialect's renames); used only when the current name is absent.
+VLLM_ALIASES: dict[str, str] = engine_dialects.vllm_renames()
 
 QUANTILES = (0.5, 0.9, 0.99)
 
