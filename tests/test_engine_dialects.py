@@ -354,3 +354,17 @@ def test_vllm_capacity_from_cache_config_and_its_kv_residency_histograms(endpoin
     assert row[M.kv_block_reuse_gap_seconds]["count"] == 20
     assert row[M.request_decode_time_seconds]["count"] == 5
     assert _name(M.kv_block_lifetime_seconds) not in status["missing_metrics"]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["engine", "serve", "--device", "sim", "--dialect", "bogus"], "--dialect 'bogus': the reference engine speaks"),
+    (["engine", "serve", "--device", "sim", "--dialect", "tgi"], "--dialect 'tgi': the reference engine speaks"),
+    (["agent", "--sim", "kv-eviction-storm", "--dialect", "0=vllm,x=sglang"], "give NAME or GPU=NAME"),
+    (["agent", "--dialect", "sglang"], "--dialect applies to --sim only"),
+])
+def test_a_dialect_the_engine_does_not_speak_is_one_line_and_exit_2(cli, tmp_path, args, says):
+    # refused at once: an agent that started instead would run until the timeout fails the test
+    p = cli(*args, "--store", str(tmp_path / "s.db"), timeout=60) if args[0] == "agent" else cli(*args, timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert says in p.stderr and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert not (tmp_path / "s.db").exists()  # refused before anything was opened

@@ -6,7 +6,6 @@ seed avalanches): it runs when GPUDIAG_STORM_SEEDS=1 is set; bench/bench_storm_s
 prints the same figures as a table.
 """
 
-import os
 
 import pytest
 
@@ -14,7 +13,6 @@ from gpudiag import storm_shape
 from gpudiag.reference_engine import scenarios
 
 SEEDS = range(10)
-TEN_SEEDS = os.environ.get("GPUDIAG_STORM_SEEDS") == "1"
 
 
 def test_seed_zero_storms_and_recovers_without_an_avalanche(scenario_run):

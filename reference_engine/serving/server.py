@@ -184,10 +184,10 @@ class EngineServer:
         self.latest = LatestFrames(cfg.node, export_engine_dialect=True)
         from gpudiag.reference_engine.serving.dialect_metrics import parse_spec, speaking_registry
 
-        self.registry = speaking_registry(self.latest, parse_spec(cfg.dialect))
+        spec = parse_spec(cfg.dialect)
+        self.registry = speaking_registry(self.latest, spec)
         # The dialect's engine serves its page at its own path (trtllm-serve /prometheus/metrics, NIM
         # /v1/metrics): the same page answers there too, so a scraper configured for the engine finds it.
-        spec = parse_spec(cfg.dialect)
         dialect_paths = {engine_dialects.get(spec).metrics_path} if isinstance(spec, str) else set()
         self.metrics_paths = {"/metrics"} | dialect_paths
         self.tracer = None
