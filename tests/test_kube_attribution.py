@@ -226,3 +226,10 @@ def test_doctor_checks_what_pod_attribution_reads(cli, tmp_path):
     checks = {c["name"]: c for c in json.loads(p.stdout)["checks"] if c["feature"] == "kubernetes"}
     assert checks["kubelet pod-resources"]["status"] == "ok"
     assert checks["host PID namespace"]["status"] in ("ok", "wrong", "missing")
+
+
+def test_agent_sim_pods_without_sim_is_one_line_and_exit_2(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "gpudiag", "agent", "--sim-pods", "--store", str(tmp_path / "s.db")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--sim-pods applies to --sim only" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "s.db").exists()
