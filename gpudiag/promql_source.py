@@ -94,7 +94,10 @@ class Foreign:
     ``scale`` converts to the catalog's SI unit; ``path`` places the value in a
     labelled column's nested dict (``("volatile", "corrected")``); ``decode``
     names a conversion that is more than a factor; ``sum`` adds the series
-    into the column instead of replacing it (total memory = used + free + reserved).
+    into the column instead of replacing it (total memory = used + free + reserved);
+    ``anchor`` marks the part without which the sum means nothing: total memory
+    is known only at the steps where free memory was exported (used alone is
+    not the total, and would make every GPU look full).
     """
 
     name: str
@@ -104,6 +107,7 @@ class Foreign:
     decode: str | None = None  # "clock_event_bits" | "last_xid"
     sum: bool = False
     exporter: str = "dcgm-exporter"
+    anchor: bool = False
 
 
 _D = Foreign
@@ -114,7 +118,7 @@ FOREIGN: tuple[Foreign, ...] = (
     _D("DCGM_FI_DEV_MEM_COPY_UTIL", M.gpu_memory_utilization_ratio, 0.01),
     _D("DCGM_FI_DEV_FB_USED", M.gpu_memory_used_bytes, MIB),
     _D("DCGM_FI_DEV_FB_USED", M.gpu_memory_total_bytes, MIB, sum=True),
-    _D("DCGM_FI_DEV_FB_FREE", M.gpu_memory_total_bytes, MIB, sum=True),
+    _D("DCGM_FI_DEV_FB_FREE", M.gpu_memory_total_bytes, MIB, sum=True, anchor=True),
     _D("DCGM_FI_DEV_FB_RESERVED", M.gpu_memory_total_bytes, MIB, sum=True),
     _D("DCGM_FI_DEV_FB_RESERVED", M.gpu_memory_reserved_bytes, MIB),
     _D("DCGM_FI_DEV_SM_CLOCK", M.gpu_sm_clock_hertz, 1e6),
@@ -405,6 +409,7 @@ class _Entity:
     attrs: dict[str, Any] = field(default_factory=dict)
     cols: dict[str, np.ndarray] = field(default_factory=dict)
     sums: dict[str, np.ndarray] = field(default_factory=dict)
+    anchored: dict[str, np.ndarray] = field(default_factory=dict)  # steps at which a sum's anchor was seen
     nested: dict[str, dict[int, dict]] = field(default_factory=dict)
 
 
@@ -443,12 +448,15 @@ class _Frames:
         free = np.isnan(arr[k])
         arr[k[free]] = v[free]
 
-    def add(self, ent: _Entity, column: str, k: np.ndarray, v: np.ndarray) -> None:
-        """Add into ``column``'s running sum (NaN plus a value is the value)."""
+    def add(self, ent: _Entity, column: str, k: np.ndarray, v: np.ndarray, anchor: bool = False) -> None:
+        """Add into ``column``'s running sum (NaN plus a value is the value); ``anchor``: this part makes it whole."""
         arr = ent.sums.get(column)
         if arr is None:
             arr = ent.sums[column] = np.full(self.n, np.nan)
+            ent.anchored[column] = np.zeros(self.n, dtype=bool)
         arr[k] = np.where(np.isnan(arr[k]), v, arr[k] + v)
+        if anchor:
+            ent.anchored[column][k] = True
 
     def put_nested(self, ent: _Entity, column: str, k: np.ndarray, values: Iterable, path: tuple) -> None:
         """Place values at ``path`` inside the column's dict per step (a path already there is kept)."""
@@ -470,6 +478,7 @@ class _Frames:
         parts: dict[str, list[pd.DataFrame]] = {}
         for ent in self.entities.values():
             for col, s in ent.sums.items():
+                s = np.where(ent.anchored[col], s, np.nan)  # a sum without its anchor is not the whole
                 if col in ent.cols:
                     self.put(ent, col, np.arange(self.n), s)
                 else:
@@ -547,6 +556,7 @@ class _Mapping:
     path: tuple[str, ...] = ()
     decode: str | None = None
     sum: bool = False
+    anchor: bool = False
     extra: tuple[str, ...] = ()  # labels beyond the entity's, nested in that order
     priority: int = 0
     where: tuple[tuple[str, str], ...] = ()  # only the samples with these labels (Triton's request_type)
@@ -572,7 +582,8 @@ def mappings(more_foreign: Iterable[Foreign] = ()) -> dict[str, list[_Mapping]]:
             out.setdefault(old, []).append(_Mapping(m.entity, m.column, priority=1))
     for f in (*FOREIGN, *more_foreign):
         entity = CATALOG[f.column].entity
-        out.setdefault(f.name, []).append(_Mapping(entity, f.column, f.scale, f.path, f.decode, f.sum, priority=2))
+        out.setdefault(f.name, []).append(_Mapping(entity, f.column, f.scale, f.path, f.decode, f.sum, f.anchor,
+                                                   priority=2))
     from gpudiag.probes.engine_dialects import prom_series
 
     for ps in prom_series():
@@ -622,7 +633,7 @@ def _fill_steps(frames: _Frames, labels: dict[str, Any], k: np.ndarray, v: np.nd
             path = mp.path or tuple(str(labels.get(lab, "")) for lab in mp.extra)
             frames.put_nested(ent, mp.column, k, vals.tolist(), path)
         elif mp.sum:
-            frames.add(ent, mp.column, k, vals)
+            frames.add(ent, mp.column, k, vals, mp.anchor)
         else:
             frames.put(ent, mp.column, k, vals)
 

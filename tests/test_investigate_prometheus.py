@@ -286,6 +286,26 @@ def test_every_foreign_series_maps_to_a_catalog_column():
     assert mapped["vllm:gpu_cache_usage_perc"][0].column == "kv_cache_usage_perc"  # vLLM's older name
 
 
+def test_dcgm_used_memory_alone_is_not_the_total():
+    """A dcgm-exporter that exports FB_USED but not FB_FREE (a trimmed field list) tells no capacity:
+    the GPU must not look full. With FB_FREE the total is used + free + reserved, in bytes."""
+    import numpy as np
+
+    day = P.plan(0.0, 60.0, step_s=15.0)
+    steps = np.arange(day.n_steps)
+    labels = {"gpu": "0", "Hostname": "n1", "UUID": "GPU-1"}
+    used = ({"__name__": "DCGM_FI_DEV_FB_USED", **labels}, steps, np.full(steps.size, 70000.0))
+    gpu = P.tables_from_series([used], day)["gpu"]
+    assert gpu["gpu_memory_used_bytes"].eq(70000.0 * P.MIB).all()
+    assert "gpu_memory_total_bytes" not in gpu or gpu["gpu_memory_total_bytes"].isna().all()
+    free = ({"__name__": "DCGM_FI_DEV_FB_FREE", **labels}, steps[1:], np.full(steps.size - 1, 10000.0))
+    reserved = ({"__name__": "DCGM_FI_DEV_FB_RESERVED", **labels}, steps, np.full(steps.size, 500.0))
+    gpu = P.tables_from_series([used, free, reserved], day)["gpu"]
+    total = gpu["gpu_memory_total_bytes"].to_numpy()
+    assert np.isnan(total[0])  # no free memory at that step: no total either
+    assert (total[1:] == 80500.0 * P.MIB).all()
+
+
 @pytest.mark.parametrize("args, message", [
     (["--from", "4102444800"], "in the future"),
     (["--from", "yesterday"], "malformed time"),
