@@ -59,7 +59,8 @@ def analyze(window: Window) -> list[Finding]:
         active = np.zeros(len(t), dtype=bool)
         for flags in reasons.values():
             active |= flags
-        throttled = active & (clock_ratio <= CLOCK_RATIO_THRESHOLD)
+        # An unknown ratio (NaN) does not clear a flag: NVML sets it only while it limits clocks.
+        throttled = active & ~(clock_ratio > CLOCK_RATIO_THRESHOLD)
         hot = temp > TEMPERATURE_THRESHOLD_C
         power = g[M.gpu_power_watts].to_numpy(float) if M.gpu_power_watts in g else None
         limit = g[M.gpu_power_limit_watts].to_numpy(float) if M.gpu_power_limit_watts in g else None
@@ -68,11 +69,14 @@ def analyze(window: Window) -> list[Finding]:
             sel = slice(int(np.searchsorted(t, start, side="left")), int(np.searchsorted(t, end, side="right")))
             seen = sorted(r for r, flags in reasons.items() if (flags[sel] & throttled[sel]).any())
             hardware = bool(HARDWARE_REASONS & set(seen))
-            clock_min = float(np.nanmin(clock_ratio[sel])) if M.gpu_sm_clock_hertz in g else None
+            known = clock_ratio[sel][np.isfinite(clock_ratio[sel])]
+            clock_min = float(known.min()) if known.size else None
             temp_max = float(np.nanmax(temp[sel])) if np.isfinite(temp[sel]).any() else None
             what = []
             if seen:
-                what.append(f"clocks throttled by {', '.join(seen)} down to {fmt_ratio(clock_min)} of maximum")
+                what.append(f"clocks throttled by {', '.join(seen)} " + (
+                    f"down to {fmt_ratio(clock_min)} of maximum" if clock_min is not None
+                    else "(SM clock against its maximum not exported)"))
             if temp_max is not None and temp_max > TEMPERATURE_THRESHOLD_C:
                 what.append(f"temperature up to {temp_max:.0f} C")
             evidence = [
@@ -126,11 +130,11 @@ def _entity_reasons(flags: dict[str, np.ndarray], positions: np.ndarray | None) 
 
 
 def _clock_ratio(g) -> np.ndarray:
+    """SM clock over its maximum per sample; NaN where either is not known (never a made-up 0)."""
     if M.gpu_sm_clock_hertz not in g or M.gpu_sm_clock_max_hertz not in g:
-        # Without clocks a reason flag is taken at its word: NVML sets it only while it limits clocks.
-        return np.zeros(len(g))
+        return np.full(len(g), np.nan)
     clock = g[M.gpu_sm_clock_hertz].to_numpy(float)
     top = g[M.gpu_sm_clock_max_hertz].to_numpy(float)
     with np.errstate(invalid="ignore", divide="ignore"):
         ratio = clock / top
-    return np.where(np.isnan(ratio), 0.0, ratio)
+    return np.where(np.isfinite(ratio) & (top > 0), ratio, np.nan)

@@ -608,6 +608,19 @@ def test_idle_clocks_and_a_brief_power_cap_are_not_throttling():
     assert throttling.analyze(w) == []
 
 
+def test_a_power_cap_without_the_maximum_clock_says_the_ratio_is_unknown():
+    # dcgm-exporter's default field list has the SM clock but not its maximum: the flag is taken at its
+    # word, and the finding does not claim the clock fell to 0 % of a maximum nobody exported.
+    rows = clocks(900, reason_at=lambda t: {"sw_power_cap": int(300 <= t < 600)},
+                  clock_ratio_at=lambda t: 0.7 if 300 <= t < 600 else 1.0, temp_at=lambda t: 70.0)
+    for r in rows:
+        del r[M.gpu_sm_clock_max_hertz]
+    f = only(throttling.analyze(window(gpu=rows)), "throttling")
+    assert f.severity is Severity.WARNING and f.details["reasons"] == ["sw_power_cap"]
+    assert evidence(f)["gpu_sm_clock_ratio"].observed is None
+    assert "0 %" not in f.summary and "not exported" in f.summary, f.summary
+
+
 def hw_rows(n, xid=lambda t: {}, corrected=lambda t: 0, nvlink=lambda t: 0, replay=lambda t: 0):
     return gpu_rows(n, **{
         M.gpu_xid_errors_total: xid,
