@@ -122,13 +122,23 @@ def backfilled_prometheus(tmp: Path, openmetrics: Path, ready_query: str, ready_
 
 @contextlib.contextmanager
 def prometheus_over_span(tmp_path_factory, name: str, openmetrics_of, span_s: int, ready_query: str):
-    """Prometheus over a span of ``span_s`` seconds ending ten minutes ago, written by ``openmetrics_of(t0)``:
-    (url, t0), where t0 is the span's first sample time (on a whole minute)."""
+    """Prometheus over a span of ``span_s`` seconds ending ten minutes ago, whose OpenMetrics lines
+    (``# EOF`` left out) ``openmetrics_of(t0)`` returns: (url, t0), where t0 is the span's first sample
+    time (on a whole minute)."""
     tmp = tmp_path_factory.mktemp(name)
     t0 = (int(time.time()) - span_s - 600) // 60 * 60
-    (tmp / "series.om").write_text(openmetrics_of(t0))
+    (tmp / "series.om").write_text("\n".join([*openmetrics_of(t0), "# EOF"]) + "\n")
     with backfilled_prometheus(tmp, tmp / "series.om", ready_query, t0 + 600) as url:
         yield url, t0
+
+
+def cumulative(offsets, per_sample):
+    """A counter's value at each offset: the running sum of ``per_sample(offset)``, as a function of the offset."""
+    total, values = 0.0, {}
+    for o in offsets:
+        total += per_sample(o)
+        values[o] = total
+    return lambda o: values[o]
 
 
 def window_args(t0: int, end_s: float) -> list[str]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from prometheus_support import prometheus_over_span, window_args
+from prometheus_support import cumulative, prometheus_over_span, window_args
 
 from gpudiag import promql_source as P
 from gpudiag.catalog import M
@@ -33,7 +33,7 @@ def _storm(o: int) -> bool:
     return STORM[0] <= o < STORM[1]
 
 
-def _openmetrics(t0: int) -> str:
+def _openmetrics(t0: int) -> list[str]:
     offsets = range(0, SPAN_S, SAMPLE_S)
     out: list[str] = []
 
@@ -45,13 +45,6 @@ def _openmetrics(t0: int) -> str:
             out.append(f"# TYPE {name} {kind}")
         for o in offsets:
             out.append(f"{name}{suffix}{{{labels}}} {value(o)} {t0 + o}")
-
-    def cumulative(per_sample):
-        total, values = 0.0, {}
-        for o in offsets:
-            total += per_sample(o)
-            values[o] = total
-        return lambda o: values[o]
 
     def histogram(name: str, labels: str, bounds, per_sample) -> None:
         """per_sample(o) -> observations in that interval."""
@@ -83,11 +76,11 @@ def _openmetrics(t0: int) -> str:
     family("sglang:num_queue_reqs", "gauge", sgs, lambda o: 25 if _storm(o) else 0)
     family("sglang:token_usage", "gauge", sgs, lambda o: 0.99 if _storm(o) else 0.55)
     family("sglang:max_total_num_tokens", "gauge", sgs, lambda o: 412000)
-    family("sglang:num_retracted_requests", "counter", sgs, cumulative(lambda o: 3 if _storm(o) else 0),
+    family("sglang:num_retracted_requests", "counter", sgs, cumulative(offsets, lambda o: 3 if _storm(o) else 0),
            suffix="_total")
-    family("sglang:prompt_tokens", "counter", sgt, cumulative(lambda o: 12000), suffix="_total")
-    family("sglang:generation_tokens", "counter", sgt, cumulative(lambda o: 4500), suffix="_total")
-    family("sglang:cached_tokens", "counter", sgt, cumulative(lambda o: 6000), suffix="_total")
+    family("sglang:prompt_tokens", "counter", sgt, cumulative(offsets, lambda o: 12000), suffix="_total")
+    family("sglang:generation_tokens", "counter", sgt, cumulative(offsets, lambda o: 4500), suffix="_total")
+    family("sglang:cached_tokens", "counter", sgt, cumulative(offsets, lambda o: 6000), suffix="_total")
     histogram("sglang:inter_token_latency_seconds", sgt, SGLANG_ITL,
               lambda o: [0.3] * 60 + [0.05] * 40 if _storm(o) else [0.009] * 95 + [0.03] * 5)
     # trtllm-serve: KV full, no preemption counter at all.
@@ -95,7 +88,7 @@ def _openmetrics(t0: int) -> str:
     family("trtllm_num_requests_running", "gauge", tr, lambda o: 31)
     family("trtllm_num_requests_waiting", "gauge", tr, lambda o: 4)
     family("trtllm_kv_cache_utilization", "gauge", tr, lambda o: 0.97)
-    family("trtllm_prompt_tokens", "counter", tr, cumulative(lambda o: 9000), suffix="_total")
+    family("trtllm_prompt_tokens", "counter", tr, cumulative(offsets, lambda o: 9000), suffix="_total")
     # Triton: label-selected gauges; first response in milliseconds.
     tt = target("triton", 'model="tensorrt_llm",version="1"')
     out.append("# TYPE nv_trt_llm_request_metrics gauge")
@@ -112,8 +105,7 @@ def _openmetrics(t0: int) -> str:
     family("llamacpp:requests_processing", "gauge", target("llamacpp"), lambda o: 2)
     family("tgi_queue_size", "gauge", target("tgi"), lambda o: 12)
     family("tgi_batch_current_size", "gauge", target("tgi"), lambda o: 16)
-    out.append("# EOF")
-    return "\n".join(out) + "\n"
+    return out
 
 
 @pytest.fixture(scope="module")

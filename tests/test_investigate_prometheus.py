@@ -24,7 +24,16 @@ import time
 from pathlib import Path
 
 import pytest
-from prometheus_support import free_port, get_json, prometheus_over_span, start_prometheus, stop, wait, window_args
+from prometheus_support import (
+    cumulative,
+    free_port,
+    get_json,
+    prometheus_over_span,
+    start_prometheus,
+    stop,
+    wait,
+    window_args,
+)
 
 from gpudiag import promql_source as P
 
@@ -124,7 +133,7 @@ def _in(offset: int, span: tuple[int, int]) -> bool:
     return span[0] <= offset < span[1]
 
 
-def _openmetrics(t0: int) -> str:
+def _openmetrics(t0: int) -> list[str]:
     """Two hours of one node as dcgm-exporter and vLLM export them, in OpenMetrics with timestamps."""
     offsets = range(0, SPAN_S, SAMPLE_S)
     # With its Kubernetes mapping on, dcgm-exporter names the pod the kubelet gave the GPU to.
@@ -154,21 +163,14 @@ def _openmetrics(t0: int) -> str:
     family("DCGM_FI_DEV_XID_ERRORS", "gauge", dcgm, lambda o: 79 if o >= XID_AT else 0, dcgm_up)
     family("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "counter", dcgm, lambda o: 3, dcgm_up)
 
-    def cumulative(per_interval):
-        total, values = 0.0, {}
-        for o in offsets:
-            total += per_interval(o)
-            values[o] = total
-        return lambda o: values[o]
-
     family("vllm:num_requests_running", "gauge", vllm, lambda o: 64 if _in(o, STORM) else 40)
     family("vllm:num_requests_waiting", "gauge", vllm, lambda o: 25 if _in(o, STORM) else 0)
     family("vllm:kv_cache_usage_perc", "gauge", vllm, lambda o: 0.99 if _in(o, STORM) else 0.55)
     # Twelve preemptions a minute in the storm; one every ten minutes otherwise.
     family("vllm:num_preemptions", "counter", vllm,
-           cumulative(lambda o: 1 if _in(o, STORM) or o % 600 == 0 else 0), suffix="_total")
-    family("vllm:prompt_tokens", "counter", vllm, cumulative(lambda o: 4000), suffix="_total")
-    family("vllm:generation_tokens", "counter", vllm, cumulative(lambda o: 1500), suffix="_total")
+           cumulative(offsets, lambda o: 1 if _in(o, STORM) or o % 600 == 0 else 0), suffix="_total")
+    family("vllm:prompt_tokens", "counter", vllm, cumulative(offsets, lambda o: 4000), suffix="_total")
+    family("vllm:generation_tokens", "counter", vllm, cumulative(offsets, lambda o: 1500), suffix="_total")
     shares = {o: STORM_ITL if _in(o, STORM) else HEALTHY_ITL for o in offsets}
     out.append("# TYPE vllm:inter_token_latency_seconds histogram")
     totals = [0.0] * (len(LATENCY_LE) + 1)
@@ -185,8 +187,7 @@ def _openmetrics(t0: int) -> str:
         rows.setdefault("_sum", []).append(f"{name}_sum{{{vllm}}} {total_sum:g} {at}")
     for lines in rows.values():
         out.extend(lines)
-    out.append("# EOF")
-    return "\n".join(out) + "\n"
+    return out
 
 
 @pytest.fixture(scope="module")
