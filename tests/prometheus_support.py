@@ -127,9 +127,14 @@ def prometheus_over_span(tmp_path_factory, name: str, openmetrics_of, span_s: in
     time (on a whole minute)."""
     tmp = tmp_path_factory.mktemp(name)
     t0 = (int(time.time()) - span_s - 600) // 60 * 60
-    (tmp / "series.om").write_text("\n".join([*openmetrics_of(t0), "# EOF"]) + "\n")
+    (tmp / "series.om").write_text(openmetrics_text(openmetrics_of(t0)))
     with backfilled_prometheus(tmp, tmp / "series.om", ready_query, t0 + 600) as url:
         yield url, t0
+
+
+def openmetrics_text(lines) -> str:
+    """An OpenMetrics document of ``lines``, ended by the ``# EOF`` that promtool requires."""
+    return "\n".join([*lines, "# EOF"]) + "\n"
 
 
 def cumulative(offsets, per_sample):

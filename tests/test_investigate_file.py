@@ -303,9 +303,10 @@ def test_scrapes_with_millisecond_timestamps_are_at_their_own_times(tmp_path):
 
 
 def test_openmetrics_backfill_gives_the_storm_the_slowdown_and_the_xid_that_prometheus_gives(cli, tmp_path):
+    from prometheus_support import openmetrics_text
     from test_investigate_prometheus import HEAT, NODE, STORM, XID_AT, _openmetrics
 
-    path = _write(tmp_path, "series.om", _openmetrics(T0))
+    path = _write(tmp_path, "series.om", openmetrics_text(_openmetrics(T0)))
     p = _investigate(cli, "--file", path, "--json")
     assert p.returncode == 1, p.stderr
     doc = json.loads(p.stdout)
