@@ -69,7 +69,8 @@ def analyze(window: Window) -> list[Finding]:
             sel = slice(int(np.searchsorted(t, start, side="left")), int(np.searchsorted(t, end, side="right")))
             seen = sorted(r for r, flags in reasons.items() if (flags[sel] & throttled[sel]).any())
             hardware = bool(HARDWARE_REASONS & set(seen))
-            known = clock_ratio[sel][np.isfinite(clock_ratio[sel])]
+            ratios = clock_ratio[sel]
+            known = ratios[np.isfinite(ratios)]
             clock_min = float(known.min()) if known.size else None
             temp_max = float(np.nanmax(temp[sel])) if np.isfinite(temp[sel]).any() else None
             what = []

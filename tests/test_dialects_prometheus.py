@@ -115,8 +115,6 @@ def engines(tmp_path_factory):
         yield got
 
 
-
-
 def test_every_dialect_becomes_an_engine_of_its_own(engines):
     url, t0 = engines
     window = P.load_window(url, start=str(t0), end=str(t0 + SPAN_S - SAMPLE_S), node=NODE)

@@ -197,8 +197,6 @@ def foreign(tmp_path_factory):
         yield got
 
 
-
-
 def test_vllm_and_dcgm_series_give_a_storm_a_thermal_slowdown_and_an_xid(cli, foreign):
     url, t0 = foreign
     p = cli("investigate", "--prometheus", url, *window_args(t0, SPAN_S - SAMPLE_S), "--node", NODE, "--json")
@@ -292,19 +290,25 @@ def test_dcgm_used_memory_alone_is_not_the_total():
     the GPU must not look full. With FB_FREE the total is used + free + reserved, in bytes."""
     import numpy as np
 
-    day = P.plan(0.0, 60.0, step_s=15.0)
-    steps = np.arange(day.n_steps)
+    minute = P.plan(0.0, 60.0, step_s=15.0)
+    steps = np.arange(minute.n_steps)
     labels = {"gpu": "0", "Hostname": "n1", "UUID": "GPU-1"}
     used = ({"__name__": "DCGM_FI_DEV_FB_USED", **labels}, steps, np.full(steps.size, 70000.0))
-    gpu = P.tables_from_series([used], day)["gpu"]
+    gpu = P.tables_from_series([used], minute)["gpu"]
     assert gpu["gpu_memory_used_bytes"].eq(70000.0 * P.MIB).all()
     assert "gpu_memory_total_bytes" not in gpu or gpu["gpu_memory_total_bytes"].isna().all()
     free = ({"__name__": "DCGM_FI_DEV_FB_FREE", **labels}, steps[1:], np.full(steps.size - 1, 10000.0))
     reserved = ({"__name__": "DCGM_FI_DEV_FB_RESERVED", **labels}, steps, np.full(steps.size, 500.0))
-    gpu = P.tables_from_series([used, free, reserved], day)["gpu"]
+    gpu = P.tables_from_series([used, free, reserved], minute)["gpu"]
     total = gpu["gpu_memory_total_bytes"].to_numpy()
     assert np.isnan(total[0])  # no free memory at that step: no total either
     assert (total[1:] == 80500.0 * P.MIB).all()
+    # Every summed column has exactly one anchor: without it, the sum would never be whole.
+    summed: dict[str, int] = {}
+    for f in P.FOREIGN:
+        if f.sum:
+            summed[f.column] = summed.get(f.column, 0) + f.anchor
+    assert summed and all(n == 1 for n in summed.values()), summed
 
 
 @pytest.mark.parametrize("args, message", [

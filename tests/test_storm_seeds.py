@@ -6,7 +6,6 @@ seed avalanches): it runs when GPUDIAG_STORM_SEEDS=1 is set; bench/bench_storm_s
 prints the same figures as a table.
 """
 
-
 import pytest
 
 from gpudiag import storm_shape
