@@ -95,6 +95,7 @@ class Knobs:
     prefix_caching: bool
     chunked_prefill: bool
     kv_offload: bool
+    kv_offload_bytes: int = 0  # --kv-offloading-size (GiB, all TP ranks together); 0: not given
     sources: dict[str, str] = field(default_factory=dict)
 
 
@@ -158,6 +159,13 @@ def parse_serve_args(text: str | None, device_bytes: int) -> Knobs:
     if any(n in opts for n in ("kv-offloading-backend", "kv-offloading-size", "kv-transfer-config")):
         k.kv_offload = True
         src["kv_offload"] = "serve command"
+    if "kv-offloading-size" in opts:
+        size = num("kv-offloading-size", float)
+        if not size > 0:
+            raise GpudiagError(f"--serve-args: --kv-offloading-size must be positive GiB, "
+                               f"got {opts['kv-offloading-size']}")
+        k.kv_offload_bytes = int(size * GIB)
+        src["kv_offload_bytes"] = "serve command"
     if "pipeline-parallel-size" in opts and opts["pipeline-parallel-size"] not in ("1", None):
         raise NotDescribable("the serve command runs pipeline parallel; the simulator describes one engine "
                              "on one GPU or a tensor-parallel group")
@@ -201,7 +209,7 @@ FP4_TENSOR_FLOPS = {"B200": 9.0e15}
 
 def group_gpu(key: str, tp: int, model_key: str = "") -> str:
     """The device the roofline charges: a tensor-parallel group of ``tp`` GPUs as one device (memory,
-    bandwidth and FLOP/s add up; the all-reduce between them is not charged), its GEMMs at the FP4
+    bandwidth, host links and FLOP/s add up; the all-reduce between them is not charged), its GEMMs at the FP4
     tensor-core rate for a model with FP4 weights. Registered as ``KEY[-fp4][xTP]``."""
     fp4 = model_key.endswith("-fp4")
     if fp4 and key not in FP4_TENSOR_FLOPS:
@@ -215,6 +223,7 @@ def group_gpu(key: str, tp: int, model_key: str = "") -> str:
     gpu_specs.SPECS.setdefault(name, replace(
         s, name=f"{tp}x {s.name} (TP{tp})" if tp > 1 else s.name, memory_bytes=s.memory_bytes * tp,
         hbm_bandwidth_bytes_per_s=s.hbm_bandwidth_bytes_per_s * tp, peak_bf16_flops=flops * tp,
+        host_link_bytes_per_s=s.host_link_bytes_per_s * tp,
         power_limit_w=s.power_limit_w * tp, idle_power_w=s.idle_power_w * tp))
     return name
 
@@ -370,9 +379,14 @@ def fit(window: Window, *, gpu: str | None = None, model: str | None = None, ser
     if knobs.prefix_caching:
         notes.append("prefix caching is on: the twin's requests repeat no content, so it runs without one and "
                      "prefills every prompt (its speed is calibrated on that work)")
-    if knobs.kv_offload:
-        notes.append("KV offload is on in the window: the simulator has no CPU KV tier, the twin recomputes "
-                     "what offload would load back")
+    if knobs.kv_offload and knobs.kv_offload_bytes:
+        notes.append(f"KV offload is on: the twin keeps a host KV tier of {knobs.kv_offload_bytes / GIB:g} GiB and "
+                     "loads a preempted request's blocks back over PCIe instead of recomputing them; the blocks of "
+                     "finished requests take room there too, and no later request reads them (the twin's requests "
+                     "repeat no content)")
+    elif knobs.kv_offload:
+        notes.append("KV offload is on in the window, with no --kv-offloading-size in the serve command: the twin "
+                     "has no host tier and recomputes what offload would load back")
     group = group_gpu(gpu_key, knobs.tensor_parallel_size, model_key)
     duration = float(window.end_s - window.start_s)
     if not duration > 0 or obs.t.size < 2:
@@ -401,6 +415,8 @@ def fit(window: Window, *, gpu: str | None = None, model: str | None = None, ser
                      f"whatever the rate; the twin replays {clients} clients that each send their next request when "
                      f"the last one ends, the lengths drawn minute by minute as fitted")
     held = np.mean([b.prompt_mean + b.output_mean / 2 for b in bins])  # a preempted request's KV, on average
+    if knobs.kv_offload and knobs.kv_offload_bytes:
+        held = 0.0  # the twin's host tier loads a preempted request's KV back: no recompute to calibrate on
     speed, speed_note = _speed_factor(obs, duration, group, model_key,
                                       _kv_capacity_tokens(gpu_key, group, model_key, knobs), held)
     notes.append(speed_note)
@@ -708,7 +724,8 @@ def engine(f: Fitted) -> EngineConfig:
         # The twin's requests repeat no content (a fit sees how many tokens the cache served, not which):
         # a prefix cache would hold only preempted requests' own blocks. Left off, the twin recomputes
         # them, as the windows of vLLM at a full cache show (their hit ratio falls to about 1 %).
-        kv=KVConfig(strategy="paged", block_size=k.block_size, prefix_caching=False, max_model_len=f.max_model_len),
+        kv=KVConfig(strategy="paged", block_size=k.block_size, prefix_caching=False, max_model_len=f.max_model_len,
+                    offload_bytes=k.kv_offload_bytes if k.kv_offload else 0),
         # vLLM V1's scheduler (vllm/v1/core/sched/scheduler.py, FCFS): a step schedules every running
         # request first, then waiting ones; when a running request cannot get a block it preempts the
         # last to join the batch (``self.running.pop()``); a step that preempted admits no waiting
@@ -729,7 +746,7 @@ FIXES = {
     "gpu-memory-utilization": "give the KV pool this share of the device (0..1)",
     "replicas": "serve the same traffic from N replicas (each gets 1/N of the arrivals)",
     "prefix-caching": "reuse the KV of repeated prompt prefixes",
-    "kv-offload": "keep evicted KV in host memory and load it back instead of recomputing",
+    "kv-offload": "keep N GiB of KV in host memory and load preempted requests' KV back instead of recomputing",
 }
 
 
@@ -754,6 +771,8 @@ class FittedScenario(Scenario):
                     cfg.scheduler.max_num_batched_tokens = int(value)
                 elif name == "gpu-memory-utilization":
                     cfg.layout.gpu_memory_utilization = float(value)
+                elif name == "kv-offload":
+                    cfg.kv.offload_bytes = int(value * GIB)
         return cfg, workload(self.fitted, replicas)
 
 
@@ -814,9 +833,13 @@ def parse_fix(text: str, f: Fitted) -> tuple[str, float]:
     name, _, value = text.strip().partition("=")
     if name not in FIXES:
         raise GpudiagError(f"unknown fix {name!r} for a fitted window; valid: "
-                           f"{', '.join(k + ('' if k in ('prefix-caching', 'kv-offload') else '=N') for k in FIXES)}")
+                           f"{', '.join(k + ('' if k == 'prefix-caching' else '=N') for k in FIXES)}")
     if name == "kv-offload":
-        raise NotDescribable("kv-offload: the simulator has no host KV tier, so it cannot judge offload")
+        if f.knobs.kv_offload:
+            raise GpudiagError("kv-offload is already on in the window's engine")
+        if not value:
+            raise GpudiagError("fix kv-offload needs the host memory to give it: kv-offload=GiB (vLLM's "
+                               "--kv-offloading-size)")
     if name == "prefix-caching":
         if f.knobs.prefix_caching:
             raise GpudiagError("prefix-caching is already on in the window's engine")
@@ -829,6 +852,9 @@ def parse_fix(text: str, f: Fitted) -> tuple[str, float]:
     if name == "gpu-memory-utilization":
         if not 0 < v <= 1:
             raise GpudiagError("gpu-memory-utilization must be in (0, 1]")
+    elif name == "kv-offload":
+        if not (v > 0 and math.isfinite(v)):
+            raise GpudiagError(f"fix kv-offload needs a positive number of GiB, got {value}")
     elif not (v >= 1 and v == int(v)):
         raise GpudiagError(f"fix {name} needs a positive whole number, got {value}")
     return name, v

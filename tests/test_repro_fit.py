@@ -18,6 +18,7 @@ import tomllib
 from store_support import write_window
 
 from gpudiag import file_source, repro, repro_fit
+from gpudiag.catalog import M
 from gpudiag.cli import main
 from gpudiag.errors import GpudiagError
 from gpudiag.reference_engine import scenarios
@@ -72,14 +73,17 @@ def _om(tmp_path, run, **drop) -> str:
 def test_serve_args_give_the_knobs_and_vllm_defaults_fill_the_rest():
     k = repro_fit.parse_serve_args("vllm serve m --max-num-seqs 512 --gpu-memory-utilization=0.85 "
                                    "--tensor-parallel-size 2 --kv_offloading_backend native "
-                                   "--no-enable-prefix-caching", 183359 * 2**20)
+                                   "--kv_offloading_size 150 --no-enable-prefix-caching", 183359 * 2**20)
     assert (k.max_num_seqs, k.gpu_memory_utilization, k.tensor_parallel_size) == (512, 0.85, 2)
     assert k.kv_offload and not k.prefix_caching and k.chunked_prefill
+    assert k.kv_offload_bytes == 150 * 2**30  # GiB, all tensor-parallel ranks together (vLLM's CacheConfig)
     assert k.max_num_batched_tokens == 8192 and k.sources["max_num_batched_tokens"] == "vLLM V1 default"
     small = repro_fit.parse_serve_args(None, 24 * 2**30)
     assert (small.max_num_seqs, small.max_num_batched_tokens) == (256, 2048)
     with pytest.raises(GpudiagError, match="needs a number"):
         repro_fit.parse_serve_args("vllm serve m --max-num-seqs lots", 2**40)
+    with pytest.raises(GpudiagError, match="kv-offloading-size must be positive"):
+        repro_fit.parse_serve_args("vllm serve m --kv-offloading-size 0", 2**40)
 
 
 def test_models_are_matched_by_name_and_a_mixture_of_experts_is_refused():
@@ -112,7 +116,9 @@ def test_what_the_window_lacks_is_named_and_nothing_is_guessed(tmp_path, runs):
     _one_line_exit_2(_cli("repro", "--file", bare, "--gpu", "B200", "--model", LLAMA), "token counters")
     # A fix the twin cannot judge is refused before any simulation.
     _one_line_exit_2(_cli("repro", "--file", path, "--gpu", "B200", "--model", LLAMA, "--fix", "kv-offload"),
-                     "kv-offload", "host KV tier")
+                     "kv-offload=GiB")
+    _one_line_exit_2(_cli("repro", "--file", path, "--gpu", "B200", "--model", LLAMA, "--fix", "kv-offload=nan"),
+                     "kv-offload", "positive number of GiB")
     _one_line_exit_2(_cli("repro", "--file", path, "--gpu", "B200", "--model", LLAMA, "--fix", "max-num-seqs=0"),
                      "max-num-seqs")
     _one_line_exit_2(_cli("repro", "--file", path, "--gpu", "B200", "--model", LLAMA, "--fix", "auto,replicas=2"),
@@ -320,3 +326,32 @@ def test_a_window_read_from_prometheus_is_fitted_and_replayed(tmp_path, runs):
     assert doc["fixes_from"] == "findings" and doc["proposed"] == [] and doc["fixes"] == []
     rows = {row["key"]: row for row in fid["rows"]}
     assert rows["generation_tokens_per_s"]["ratio"] == pytest.approx(1.0, abs=0.25)
+
+
+@needs_real
+def test_kv_offload_loads_preempted_kv_back_instead_of_recomputing_it(tmp_path, runs):
+    """On a run without offload that preempts, kv-offload=GiB gives the twin a host KV tier: preempted
+    requests come back from it (the connector's hit counter moves) and far less prefill is redone. On a run
+    with offload on, the twin keeps the window's tier, and asking for it again is refused."""
+    window, _ = file_source.load_window([_om(tmp_path, runs["tp1_bs256_offloadoff"])])
+    f = repro_fit.fit(window, gpu="B200", model=LLAMA, serve_args=runs["tp1_bs256_offloadoff"].command)
+    sc = repro_fit.scenario(f)
+
+    def totals(res):
+        eng = res.window.table("engine")
+        last = eng.iloc[-1]
+        return (float(last[M.engine_recomputed_tokens_total]), float(last[M.num_preemptions_total]),
+                float(last.get(M.external_prefix_cache_hits_total, 0.0)))
+
+    base, fixed = repro.run(sc, None, 0), repro.run(sc, "kv-offload=300", 0)
+    (rec0, pre0, hit0), (rec1, pre1, hit1) = totals(base), totals(fixed)
+    assert pre0 > 100 and pre1 > 100  # both preempt: the fix changes what a preemption costs
+    assert hit0 == 0 and hit1 > 0
+    assert rec1 < 0.1 * rec0 / pre0 * pre1  # per preemption, a tenth of the prefill redone or less
+    on = runs["tp1_bs256_offloadon"]
+    w_on, _ = file_source.load_window([_om(tmp_path, on)])
+    f_on = repro_fit.fit(w_on, gpu="B200", model=LLAMA, serve_args=on.command)
+    assert f_on.knobs.kv_offload_bytes == 300 * 2**30
+    assert any("host KV tier of 300 GiB" in n for n in f_on.notes)
+    with pytest.raises(GpudiagError, match="already on"):
+        repro_fit.parse_fix("kv-offload=64", f_on)

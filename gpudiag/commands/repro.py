@@ -376,6 +376,13 @@ def _fmt(v, unit: str) -> str:
     return f"{v:,.0f}" if abs(v) >= 10 else f"{v:.1f}"
 
 
+def _offload(knobs: dict) -> str:
+    if not knobs["kv_offload"]:
+        return "off"
+    size = knobs.get("kv_offload_bytes") or 0
+    return f"on ({size / 1024**3:g} GiB of host memory)" if size else "on"
+
+
 def _print_fitted(out: Console, doc: dict) -> None:
     fit = doc["fit"]
     k = fit["knobs"]
@@ -385,7 +392,7 @@ def _print_fitted(out: Console, doc: dict) -> None:
     out.print(f"knobs: max-num-seqs {k['max_num_seqs']}, max-num-batched-tokens {k['max_num_batched_tokens']}, "
               f"gpu-memory-utilization {k['gpu_memory_utilization']:g}, block size {k['block_size']}, prefix "
               f"caching {'on' if k['prefix_caching'] else 'off'}, chunked prefill "
-              f"{'on' if k['chunked_prefill'] else 'off'}, KV offload {'on' if k['kv_offload'] else 'off'}")
+              f"{'on' if k['chunked_prefill'] else 'off'}, KV offload {_offload(k)}")
     for n in fit["notes"]:
         out.print(f"  - {n}", markup=False)
     if doc["saved_to"]:

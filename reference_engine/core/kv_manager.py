@@ -19,8 +19,10 @@ in bytes when device memory could not be had.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 
+from gpudiag.catalog import M
 from gpudiag.errors import GpudiagError
 from gpudiag.reference_engine.core.allocator import CachingAllocator, OutOfMemory
 from gpudiag.reference_engine.core.sequence import Sequence
@@ -45,6 +47,11 @@ class KVConfig:
     prefix_caching: bool = False
     cache_policy: str = "lru"  # which cached-but-unused block goes first: lru | lfu-decay
     cache_half_life_s: float = 600.0  # lfu-decay: an access counts half after this long
+    # paged: a host KV tier of this many bytes (vLLM's --kv-offloading-size, native CPU backend). Full
+    # blocks of every request leaving the GPU, finished or preempted, are kept there, least recently
+    # used first out; a preempted request re-admitted loads what it finds there over the host link
+    # instead of recomputing it. 0: no tier.
+    offload_bytes: int = 0
 
     def validate(self) -> None:
         """Raise GpudiagError on values no engine could run with."""
@@ -64,6 +71,11 @@ class KVConfig:
             raise GpudiagError(f"unknown prefix-cache policy {self.cache_policy!r}; valid: {', '.join(CACHE_POLICIES)}")
         if not self.cache_half_life_s > 0:
             raise GpudiagError(f"cache half-life must be positive, got {self.cache_half_life_s}")
+        if self.offload_bytes < 0:
+            raise GpudiagError(f"the host KV tier cannot be negative, got {self.offload_bytes} bytes")
+        if self.offload_bytes and (self.strategy != "paged" or self.prefix_caching):
+            raise GpudiagError("a host KV tier is simulated for the paged strategy without prefix caching "
+                               "(it stores blocks, and the prefix cache would have to share its hashes)")
 
 
 class KVManager:
@@ -80,6 +92,7 @@ class KVManager:
         self.reserved_bytes = 0  # bytes held for requests (live tokens + slack)
         self.live_tokens = 0  # tokens whose KV is stored
         self.copy_bytes_total = 0  # bytes moved by realloc copies
+        self.host_loaded_bytes = 0  # KV loaded from a host tier since the engine last took it
 
     # -- helpers -------------------------------------------------------
     def _malloc(self, nbytes: int) -> int | None:
@@ -129,6 +142,11 @@ class KVManager:
     def cache_metrics(self) -> dict[str, float]:
         """Prefix-cache columns of the engine row (none without a prefix cache)."""
         return {}
+
+    def take_host_loaded_bytes(self) -> int:
+        """Bytes loaded from the host tier since the last call (what the next step waits for)."""
+        n, self.host_loaded_bytes = self.host_loaded_bytes, 0
+        return n
 
 
 class _Region:
@@ -270,6 +288,12 @@ class PagedKV(KVManager):
         self.pool_addr = allocator.malloc(self.num_blocks * self.block_bytes)
         self.free_blocks = self.num_blocks
         self.capacity_bytes = self.num_blocks * self.block_bytes
+        # The host tier: per request, the tokens of its full blocks held there, least recently used first.
+        self.host_capacity_blocks = cfg.offload_bytes // self.block_bytes
+        self._host: OrderedDict[int, int] = OrderedDict()
+        self._host_blocks = 0
+        self.external_queries_tokens = 0  # tokens looked up in the host tier (vLLM's connector counters)
+        self.external_hits_tokens = 0
 
     def _blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.cfg.block_size)
@@ -285,7 +309,41 @@ class PagedKV(KVManager):
         seq.kv = [need, tokens]  # [blocks held, tokens stored]
         self.reserved_bytes += need * self.block_bytes
         self.live_tokens += tokens
+        if self.host_capacity_blocks:
+            self._load_from_host(seq)
         return None
+
+    def _load_from_host(self, seq) -> None:
+        """What the host tier holds of the sequence is loaded, not computed: its ``cached_tokens``.
+
+        Only full blocks were stored, and the last token is always computed (its logits sample the next
+        one): vLLM's lookup stops at ``num_tokens - 1``.
+        """
+        self.external_queries_tokens += seq.num_tokens
+        bs = self.cfg.block_size
+        hit = min(self._host.get(seq.seq_id, 0), (seq.num_tokens - 1) // bs * bs)
+        if hit > 0:
+            self._host.move_to_end(seq.seq_id)
+            self.external_hits_tokens += hit
+            self.host_loaded_bytes += hit * self.bytes_per_token
+        seq.cached_tokens = hit
+
+    def _store_to_host(self, seq_id: int, tokens: int) -> None:
+        blocks = tokens // self.cfg.block_size
+        self._host_blocks -= self._host.pop(seq_id, 0) // self.cfg.block_size
+        if blocks == 0 or blocks > self.host_capacity_blocks:
+            return
+        while self._host_blocks + blocks > self.host_capacity_blocks:
+            _, old = self._host.popitem(last=False)
+            self._host_blocks -= old // self.cfg.block_size
+        self._host[seq_id] = blocks * self.cfg.block_size
+        self._host_blocks += blocks
+
+    def cache_metrics(self):
+        if not self.host_capacity_blocks:
+            return {}
+        return {M.external_prefix_cache_queries_total: self.external_queries_tokens,
+                M.external_prefix_cache_hits_total: self.external_hits_tokens}
 
     def grow(self, seq, tokens):
         held = seq.kv[0]
@@ -331,6 +389,8 @@ class PagedKV(KVManager):
 
     def free(self, seq):
         held, stored = seq.kv
+        if self.host_capacity_blocks:
+            self._store_to_host(seq.seq_id, stored)
         self.free_blocks += held
         self.reserved_bytes -= held * self.block_bytes
         self.live_tokens -= stored

@@ -298,7 +298,9 @@ class SimEngine:
         if self._launches is not None:
             gpu_s += self._launches.record(t, counts, 0, decode=False)
         alloc_s, _ = self.gpu.allocator_host_time_since_last()
-        host_s = cost.host_step_cost_s(len(batch)) + alloc_s + cost.host_per_request_s * sum(
+        # KV found in a host tier is copied in before the step's kernels run: no kernel runs meanwhile.
+        load_s = cost.host_load_s(self.gpu.spec, self.kv.take_host_loaded_bytes())
+        host_s = cost.host_step_cost_s(len(batch)) + alloc_s + load_s + cost.host_per_request_s * sum(
             1 for s in batch if s.preemptions == 0) + self._eviction_host_s()
         t = self._charge(t, gpu_s, host_s)
         self.prompt_tokens_total += sum(counts)

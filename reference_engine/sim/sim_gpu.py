@@ -101,6 +101,8 @@ class CostModel:
     alloc_retry_s: float = 2.0e-3
     # Evicting a request: victim selection, freeing, re-queueing, block-table/region bookkeeping.
     eviction_host_s: float = 1.5e-3
+    # Copies from pinned host memory reach ~80 % of the PCIe link (DMA and protocol overhead).
+    host_link_efficiency: float = 0.8
     # Request preprocessing before scheduling (tokenize, pad, feature transforms): CPU time of one
     # core per request and per prompt token. Zero: the engine receives requests ready to schedule.
     preprocess_s: float = 0.0
@@ -151,6 +153,10 @@ class CostModel:
     def copy_gpu_s(self, spec: GPUSpec, nbytes: int) -> float:
         """A device-to-device copy reads and writes every byte."""
         return 2.0 * nbytes / (spec.hbm_bandwidth_bytes_per_s * self.bandwidth_efficiency)
+
+    def host_load_s(self, spec: GPUSpec, nbytes: int) -> float:
+        """Loading ``nbytes`` of KV from host memory to the device over the host link."""
+        return nbytes / (spec.host_link_bytes_per_s * self.host_link_efficiency)
 
     def host_step_cost_s(self, batch: int) -> float:
         return self.host_step_s + self.host_per_seq_s * batch
