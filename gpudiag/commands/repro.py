@@ -373,7 +373,8 @@ def _fmt(v, unit: str) -> str:
         return fmt_ratio(v)
     if unit == "seconds":
         return fmt_seconds(v)
-    return f"{v:,.0f}" if abs(v) >= 10 else f"{v:.1f}"
+    # Whole numbers (a count of preemptions, of requests) print whole; means below 10 keep a decimal.
+    return f"{v:,.0f}" if abs(v) >= 10 or float(v).is_integer() else f"{v:.1f}"
 
 
 def _offload(knobs: dict) -> str:
