@@ -47,7 +47,7 @@ from gpudiag.agent.tracker import ThreeColourTracker
 from gpudiag.catalog import M
 from gpudiag.errors import GpudiagError
 from gpudiag.exposition import LatestFrames, registry_for
-from gpudiag.findings import Finding, Severity
+from gpudiag.findings import Evidence, Finding, Severity
 from gpudiag.frames import BufferPool, Frame, FrameColumns, Table, TableBuffer, Window
 from gpudiag.probes.base import Probe, ProbeError
 
@@ -539,6 +539,12 @@ class _Open:
         return d
 
 
+def _evidence(d: dict[str, Any]) -> Evidence:
+    """An Evidence from its JSON form (Evidence.to_dict)."""
+    return Evidence(str(d.get("metric", "")), d.get("observed"), d.get("baseline"), d.get("threshold"),
+                    str(d.get("unit", "")))
+
+
 class FindingLog:
     """Turns each analysis' findings into opened, updated and resolved findings with stable ids.
 
@@ -565,10 +571,15 @@ class FindingLog:
         for d in documents:
             if d.get("end_s") is not None and d.get("state") != OPEN_AT_STOP:
                 continue
+            # Everything the document holds comes back: the finding is written again when it resolves, and
+            # that document replaces this one in the store (evidence, details and pod included).
             f = Finding(kind=d["kind"], severity=Severity(str(d["severity"])), start_s=float(d["start_s"]),
                         end_s=float(d.get("last_evidence_s") or d["start_s"]), summary=d.get("summary", ""),
                         gpu=d.get("gpu"), node=d.get("node"), pid=d.get("pid"), runbook=d.get("runbook", ""),
-                        fixes=list(d.get("fixes") or []), caused_by=list(d.get("caused_by") or []))
+                        fixes=list(d.get("fixes") or []), caused_by=list(d.get("caused_by") or []),
+                        evidence=[_evidence(e) for e in d.get("evidence") or [] if isinstance(e, dict)],
+                        details=dict(d.get("details") or {}),
+                        **{k: d.get(k) for k in ("pod", "namespace", "container", "gpu_instance", "compute_instance")})
             self.open[d["id"]] = _Open(d["id"], self._key(f), f.start_s, f.end_s, f,
                                        float(d.get("opened_at_s") or f.start_s))
 

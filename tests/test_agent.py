@@ -10,6 +10,7 @@ daemon in-process with probes that fail on purpose.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -40,7 +41,7 @@ from gpudiag.agent.daemon import (
 from gpudiag.agent.store import Store
 from gpudiag.catalog import M
 from gpudiag.errors import GpudiagError
-from gpudiag.findings import Finding, Severity
+from gpudiag.findings import Evidence, Finding, Severity
 from gpudiag.frames import Frame
 from gpudiag.probes.base import Probe, ProbeError
 from gpudiag.reference_engine.scenarios import STORM_LONG_PHASE
@@ -744,6 +745,25 @@ def test_a_finding_keeps_its_id_while_the_window_slides_and_resolves_when_its_ev
     # Seen again as the window slides over it: not a new finding.
     opened, _, _ = log.reconcile([_finding(1300, 1400)], 1850, 950)
     assert not opened and not log.active()
+
+
+def test_a_finding_taken_up_after_a_restart_keeps_its_pod_evidence_and_details_when_it_resolves():
+    """The next agent restores an open finding from its stored document; resolving it writes that document
+    again, so whatever the restore dropped would be lost from the store."""
+    first = FindingLog()
+    f = _finding(1000, 1100)
+    f.pod, f.namespace, f.container = "vllm-7b-0", "serving", "engine"
+    f.evidence = [Evidence("kv_cache_usage_perc", 1.0, 0.6, 0.95, "ratio")]
+    f.details = {"cause": "demand"}
+    (rec,), _, _ = first.reconcile([f], 1100, 200)
+    (stored,) = first.at_stop(1110.0)
+    again = FindingLog()
+    again.restore([json.loads(json.dumps(stored))])  # as the store keeps it
+    _, _, (resolved,) = again.reconcile([], 1800, 900)
+    doc = resolved.document()
+    assert doc["id"] == stored["id"] and doc["state"] == "resolved"
+    for key in ("pod", "namespace", "container", "evidence", "details", "summary", "fixes", "runbook"):
+        assert doc.get(key) == stored.get(key), key
 
 
 class ScriptedAnalyzers:
