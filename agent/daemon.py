@@ -539,12 +539,6 @@ class _Open:
         return d
 
 
-def _evidence(d: dict[str, Any]) -> Evidence:
-    """An Evidence from its JSON form (Evidence.to_dict)."""
-    return Evidence(str(d.get("metric", "")), d.get("observed"), d.get("baseline"), d.get("threshold"),
-                    str(d.get("unit", "")))
-
-
 class FindingLog:
     """Turns each analysis' findings into opened, updated and resolved findings with stable ids.
 
@@ -577,7 +571,7 @@ class FindingLog:
                         end_s=float(d.get("last_evidence_s") or d["start_s"]), summary=d.get("summary", ""),
                         gpu=d.get("gpu"), node=d.get("node"), pid=d.get("pid"), runbook=d.get("runbook", ""),
                         fixes=list(d.get("fixes") or []), caused_by=list(d.get("caused_by") or []),
-                        evidence=[_evidence(e) for e in d.get("evidence") or [] if isinstance(e, dict)],
+                        evidence=[Evidence.from_dict(e) for e in d.get("evidence") or [] if isinstance(e, dict)],
                         details=dict(d.get("details") or {}),
                         **{k: d.get(k) for k in ("pod", "namespace", "container", "gpu_instance", "compute_instance")})
             self.open[d["id"]] = _Open(d["id"], self._key(f), f.start_s, f.end_s, f,

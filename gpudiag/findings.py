@@ -41,6 +41,12 @@ class Evidence:
     threshold: float | None = None
     unit: str = ""
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Evidence:
+        """The inverse of :meth:`to_dict`."""
+        return cls(str(d.get("metric", "")), d.get("observed"), d.get("baseline"), d.get("threshold"),
+                   str(d.get("unit", "")))
+
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (keys metric, observed, baseline, threshold, unit)."""
         return {

@@ -95,7 +95,8 @@ class Knobs:
     prefix_caching: bool
     chunked_prefill: bool
     kv_offload: bool
-    kv_offload_bytes: int = 0  # --kv-offloading-size (GiB, all TP ranks together); 0: not given
+    # --kv-offloading-size (given in GiB, all TP ranks together); 0: not given. Set, kv_offload is on.
+    kv_offload_bytes: int = 0
     sources: dict[str, str] = field(default_factory=dict)
 
 
@@ -379,7 +380,7 @@ def fit(window: Window, *, gpu: str | None = None, model: str | None = None, ser
     if knobs.prefix_caching:
         notes.append("prefix caching is on: the twin's requests repeat no content, so it runs without one and "
                      "prefills every prompt (its speed is calibrated on that work)")
-    if knobs.kv_offload and knobs.kv_offload_bytes:
+    if knobs.kv_offload_bytes:
         notes.append(f"KV offload is on: the twin keeps a host KV tier of {knobs.kv_offload_bytes / GIB:g} GiB and "
                      "loads a preempted request's blocks back over PCIe instead of recomputing them; the blocks of "
                      "finished requests take room there too, and no later request reads them (the twin's requests "
@@ -415,7 +416,7 @@ def fit(window: Window, *, gpu: str | None = None, model: str | None = None, ser
                      f"whatever the rate; the twin replays {clients} clients that each send their next request when "
                      f"the last one ends, the lengths drawn minute by minute as fitted")
     held = np.mean([b.prompt_mean + b.output_mean / 2 for b in bins])  # a preempted request's KV, on average
-    if knobs.kv_offload and knobs.kv_offload_bytes:
+    if knobs.kv_offload_bytes:
         held = 0.0  # the twin's host tier loads a preempted request's KV back: no recompute to calibrate on
     speed, speed_note = _speed_factor(obs, duration, group, model_key,
                                       _kv_capacity_tokens(gpu_key, group, model_key, knobs), held)
@@ -725,7 +726,7 @@ def engine(f: Fitted) -> EngineConfig:
         # a prefix cache would hold only preempted requests' own blocks. Left off, the twin recomputes
         # them, as the windows of vLLM at a full cache show (their hit ratio falls to about 1 %).
         kv=KVConfig(strategy="paged", block_size=k.block_size, prefix_caching=False, max_model_len=f.max_model_len,
-                    offload_bytes=k.kv_offload_bytes if k.kv_offload else 0),
+                    offload_bytes=k.kv_offload_bytes),
         # vLLM V1's scheduler (vllm/v1/core/sched/scheduler.py, FCFS): a step schedules every running
         # request first, then waiting ones; when a running request cannot get a block it preempts the
         # last to join the batch (``self.running.pop()``); a step that preempted admits no waiting

@@ -381,7 +381,7 @@ def _offload(knobs: dict) -> str:
     if not knobs["kv_offload"]:
         return "off"
     size = knobs.get("kv_offload_bytes") or 0
-    return f"on ({size / 1024**3:g} GiB of host memory)" if size else "on"
+    return f"on ({fmt_bytes(size)} of host memory)" if size else "on"
 
 
 def _print_fitted(out: Console, doc: dict) -> None:

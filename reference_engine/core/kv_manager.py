@@ -288,10 +288,10 @@ class PagedKV(KVManager):
         self.pool_addr = allocator.malloc(self.num_blocks * self.block_bytes)
         self.free_blocks = self.num_blocks
         self.capacity_bytes = self.num_blocks * self.block_bytes
-        # The host tier: per request, the tokens of its full blocks held there, least recently used first.
+        # The host tier: per request, the full blocks held there, least recently used first.
         self.host_capacity_blocks = cfg.offload_bytes // self.block_bytes
         self._host: OrderedDict[int, int] = OrderedDict()
-        self._host_blocks = 0
+        self._host_blocks = 0  # sum of self._host's values
         self.external_queries_tokens = 0  # tokens looked up in the host tier (vLLM's connector counters)
         self.external_hits_tokens = 0
 
@@ -321,7 +321,7 @@ class PagedKV(KVManager):
         """
         self.external_queries_tokens += seq.num_tokens
         bs = self.cfg.block_size
-        hit = min(self._host.get(seq.seq_id, 0), (seq.num_tokens - 1) // bs * bs)
+        hit = min(self._host.get(seq.seq_id, 0), (seq.num_tokens - 1) // bs) * bs
         if hit > 0:
             self._host.move_to_end(seq.seq_id)
             self.external_hits_tokens += hit
@@ -330,13 +330,12 @@ class PagedKV(KVManager):
 
     def _store_to_host(self, seq_id: int, tokens: int) -> None:
         blocks = tokens // self.cfg.block_size
-        self._host_blocks -= self._host.pop(seq_id, 0) // self.cfg.block_size
+        self._host_blocks -= self._host.pop(seq_id, 0)
         if blocks == 0 or blocks > self.host_capacity_blocks:
             return
         while self._host_blocks + blocks > self.host_capacity_blocks:
-            _, old = self._host.popitem(last=False)
-            self._host_blocks -= old // self.cfg.block_size
-        self._host[seq_id] = blocks * self.cfg.block_size
+            self._host_blocks -= self._host.popitem(last=False)[1]
+        self._host[seq_id] = blocks
         self._host_blocks += blocks
 
     def cache_metrics(self):
