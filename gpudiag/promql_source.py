@@ -201,7 +201,8 @@ def families() -> tuple[Family, ...]:
         Family("gpudiag", tuple(_catalog_names("gpudiag") + [CATALOG[M.agent_sim_seconds].name]),
                ('node="{node}"',), (CATALOG[M.node_cpu_utilization_ratio].name, CATALOG[M.gpu_utilization_ratio].name,
                                     CATALOG[M.engine_batch_size].name)),
-        Family("vllm", tuple(_catalog_names("vllm") + aliases), _VLLM_NODE_MATCHERS,
+        Family("vllm", tuple(_catalog_names("vllm") + aliases + [name for name, _, _ in _label_products()]),
+               _VLLM_NODE_MATCHERS,
                (CATALOG[M.num_requests_running].name, CATALOG[M.kv_cache_usage_perc].name)),
         Family("dcgm-exporter", tuple(sorted({f.name for f in FOREIGN})), ('Hostname="{node}"', 'node="{node}"'),
                ("DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_GPU_UTIL")),
@@ -562,6 +563,9 @@ class _Mapping:
     where: tuple[tuple[str, str], ...] = ()  # only the samples with these labels (Triton's request_type)
     # Another engine's series name no GPU or engine: the scrape target is the engine.
     instance_engine: bool = False
+    # An info gauge whose figure is in its labels: the value is the product of these labels' numbers
+    # (vLLM's cache_config_info: num_gpu_blocks x block_size).
+    from_labels: tuple[str, ...] = ()
 
 
 def mappings(more_foreign: Iterable[Foreign] = ()) -> dict[str, list[_Mapping]]:
@@ -590,7 +594,15 @@ def mappings(more_foreign: Iterable[Foreign] = ()) -> dict[str, list[_Mapping]]:
         if ps.type != HISTOGRAM:
             out.setdefault(ps.name, []).append(_Mapping("engine", ps.column, ps.scale, priority=1, where=ps.where,
                                                         instance_engine=True))
+    for name, column, factors in _label_products():
+        out.setdefault(name, []).append(_Mapping("engine", column, from_labels=factors))
     return out
+
+
+def _label_products() -> list[tuple[str, str, tuple[str, ...]]]:
+    from gpudiag.probes.engine_dialects import label_products
+
+    return label_products("vllm")
 
 
 def _decode_clock_event_bits(v: np.ndarray) -> list[dict[str, int]]:
@@ -625,6 +637,13 @@ def _fill_steps(frames: _Frames, labels: dict[str, Any], k: np.ndarray, v: np.nd
             continue
         ent = frames.entity(mp.kind, _engine_of_target(labels) if mp.instance_engine else labels)
         vals = v * mp.scale if mp.scale != 1.0 else v
+        if mp.from_labels:
+            from gpudiag.probes.engine_dialects import label_product
+
+            figure = label_product(labels, mp.from_labels)
+            if figure is None:
+                continue
+            vals = np.full(v.shape, figure)
         if mp.decode == "clock_event_bits":
             frames.put_whole(ent, mp.column, k, _decode_clock_event_bits(vals))
         elif mp.decode == "last_xid":

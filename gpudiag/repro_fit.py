@@ -39,6 +39,7 @@ from gpudiag.analyzers.common import counter_increase, labelled_total
 from gpudiag.catalog import M
 from gpudiag.errors import GpudiagError
 from gpudiag.frames import Window
+from gpudiag.reference_engine.core.allocator import K_ROUND_LARGE
 from gpudiag.reference_engine.core.kv_manager import KVConfig
 from gpudiag.reference_engine.core.scheduler import SchedulerConfig
 from gpudiag.reference_engine.core.sequence import Sequence
@@ -47,6 +48,10 @@ from gpudiag.reference_engine.scenarios.workload import MAX_REQUESTS, LengthDist
 from gpudiag.reference_engine.sim import gpu_specs
 from gpudiag.reference_engine.sim.engine import EngineConfig
 from gpudiag.reference_engine.sim.sim_gpu import MODELS, DeviceLayout
+from gpudiag.units import fmt_bytes
+
+# The CUDA context each GPU's process holds before it allocates, as the simulator charges it.
+CUDA_CONTEXT_BYTES = DeviceLayout.cuda_context_bytes
 
 GIB = 1024**3
 
@@ -97,6 +102,12 @@ class Knobs:
     kv_offload: bool
     # --kv-offloading-size (given in GiB, all TP ranks together); 0: not given. Set, kv_offload is on.
     kv_offload_bytes: int = 0
+    # Tokens the KV pool holds, where something states it (the engine's cache_config_info gauge,
+    # --kv-cache-tokens, --num-gpu-blocks-override, --kv-cache-memory-bytes); 0: sized from memory
+    # as vLLM sizes it, with an estimated activation workspace.
+    kv_cache_tokens: int = 0
+    # --kv-cache-memory-bytes (per GPU, as vLLM's CacheConfig takes it); 0: not given.
+    kv_cache_memory_bytes: int = 0
     sources: dict[str, str] = field(default_factory=dict)
 
 
@@ -167,6 +178,20 @@ def parse_serve_args(text: str | None, device_bytes: int) -> Knobs:
                                f"got {opts['kv-offloading-size']}")
         k.kv_offload_bytes = int(size * GIB)
         src["kv_offload_bytes"] = "serve command"
+    if "num-gpu-blocks-override" in opts:
+        blocks = num("num-gpu-blocks-override", int)
+        if blocks <= 0:
+            raise GpudiagError(f"--serve-args: --num-gpu-blocks-override must be a positive number of blocks, "
+                               f"got {opts['num-gpu-blocks-override']}")
+        k.kv_cache_tokens = blocks * k.block_size
+        src["kv_cache_tokens"] = "serve command (--num-gpu-blocks-override x block size)"
+    if "kv-cache-memory-bytes" in opts:
+        size = num("kv-cache-memory-bytes", int)
+        if size <= 0:
+            raise GpudiagError(f"--serve-args: --kv-cache-memory-bytes must be a positive number of bytes, "
+                               f"got {opts['kv-cache-memory-bytes']}")
+        k.kv_cache_memory_bytes = size
+        src["kv_cache_memory_bytes"] = "serve command"
     if "pipeline-parallel-size" in opts and opts["pipeline-parallel-size"] not in ("1", None):
         raise NotDescribable("the serve command runs pipeline parallel; the simulator describes one engine "
                              "on one GPU or a tensor-parallel group")
@@ -247,6 +272,9 @@ class Observed:
     prefix_queries: np.ndarray
     gpu_util: np.ndarray | None
     requests: pd.DataFrame  # request rows (arrival_s from 0), empty without
+    # Tokens the engine says its KV pool holds (vLLM's cache_config_info, SGLang's max_total_num_tokens,
+    # the agent's engine rows): the last figure of the window; 0 where it says nothing.
+    kv_capacity_tokens: float = 0.0
 
 
 def _col(df: pd.DataFrame, name: str) -> np.ndarray:
@@ -290,7 +318,16 @@ def observe(window: Window) -> Observed:
         finished=_col(eng, M.request_success_total) if M.request_success_total in eng
         else _col(eng, M.engine_requests_finished_total),
         prefix_hits=_col(eng, M.prefix_cache_hits_total), prefix_queries=_col(eng, M.prefix_cache_queries_total),
-        gpu_util=util, requests=req)
+        gpu_util=util, requests=req, kv_capacity_tokens=_last_stated(eng, M.engine_kv_capacity_tokens))
+
+
+def _last_stated(df: pd.DataFrame, column: str) -> float:
+    """The last positive figure of a column, 0 where there is none."""
+    if column not in df:
+        return 0.0
+    v = pd.to_numeric(df[column], errors="coerce").to_numpy(float)
+    v = v[np.isfinite(v) & (v > 0)]
+    return float(v[-1]) if v.size else 0.0
 
 
 def _window_gpu_name(window: Window) -> str | None:
@@ -357,9 +394,14 @@ class Fitted:
     def name(self) -> str:
         return f"fitted:{self.source}"
 
+    @property
+    def pool_tokens(self) -> float:
+        """Tokens of KV the twin's pool holds (as the simulated device sizes it, before any fix)."""
+        return _kv_capacity_tokens(self.gpu, self.model, self.knobs, self.activation_bytes)
+
 
 def fit(window: Window, *, gpu: str | None = None, model: str | None = None, serve_args: str | None = None,
-        source: str = "window") -> Fitted:
+        source: str = "window", kv_cache_tokens: int | None = None) -> Fitted:
     """The scenario ``window`` shows (NotDescribable naming what is missing or not covered)."""
     obs = observe(window)
     gpu_name = _window_gpu_name(window) or gpu
@@ -389,6 +431,8 @@ def fit(window: Window, *, gpu: str | None = None, model: str | None = None, ser
         notes.append("KV offload is on in the window, with no --kv-offloading-size in the serve command: the twin "
                      "has no host tier and recomputes what offload would load back")
     group = group_gpu(gpu_key, knobs.tensor_parallel_size, model_key)
+    activation, pool_note = _size_pool(knobs, obs, group, model_key, kv_cache_tokens)
+    capacity = _kv_capacity_tokens(group, model_key, knobs, activation)
     duration = float(window.end_s - window.start_s)
     if not duration > 0 or obs.t.size < 2:
         raise NotDescribable("the window holds fewer than two engine samples: nothing to fit")
@@ -406,7 +450,7 @@ def fit(window: Window, *, gpu: str | None = None, model: str | None = None, ser
                                  "arrivals cannot be told from completions")
         bins, initial = _from_counters(obs, duration)
         sp = ASSUMED_SIGMA
-        so, how = _output_spread(obs, bins, _kv_capacity_tokens(gpu_key, group, model_key, knobs))
+        so, how = _output_spread(obs, bins, capacity)
         lengths_from = arrivals_from = "engine counters"
         notes.append(f"lengths from token counters: their means per {LENGTH_BIN_S:g} s; prompt spread assumed "
                      f"(log-normal sigma {ASSUMED_SIGMA}); output spread {how}")
@@ -418,21 +462,16 @@ def fit(window: Window, *, gpu: str | None = None, model: str | None = None, ser
     held = np.mean([b.prompt_mean + b.output_mean / 2 for b in bins])  # a preempted request's KV, on average
     if knobs.kv_offload_bytes:
         held = 0.0  # the twin's host tier loads a preempted request's KV back: no recompute to calibrate on
-    speed, speed_note = _speed_factor(obs, duration, group, model_key,
-                                      _kv_capacity_tokens(gpu_key, group, model_key, knobs), held)
+    speed, speed_note = _speed_factor(obs, duration, group, model_key, capacity, held)
     notes.append(speed_note)
     if not bins or sum(b.qps * (b.end_s - b.start_s) for b in bins) + initial < 1:
         raise NotDescribable("no request arrived or finished in the window: there is no workload to fit")
-    shape = MODELS[model_key]
     return Fitted(
         source=source, gpu=group, gpu_name=gpu_name, model=model_key, model_name=model_name, knobs=knobs,
         duration_s=duration, initial_requests=initial, bins=bins, sigma_prompt=sp, sigma_output=so,
         lengths_from=lengths_from, arrivals_from=arrivals_from,
-        max_model_len=_max_model_len(model_key), activation_bytes=ACTIVATION_BYTES_ESTIMATE, speed_factor=speed,
-        clients=clients, observed=summarize_observed(obs, duration), notes=notes + [
-            f"KV pool sized as vLLM sizes it: {knobs.gpu_memory_utilization:g} of the device less "
-            f"{shape.weight_bytes / GIB:.1f} GiB of weights and an estimated "
-            f"{ACTIVATION_BYTES_ESTIMATE / GIB:.0f} GiB of activations"])
+        max_model_len=_max_model_len(model_key), activation_bytes=activation, speed_factor=speed,
+        clients=clients, observed=summarize_observed(obs, duration), notes=notes + [pool_note])
 
 
 # A window is a closed loop when the requests in the engine (running plus waiting) stay at one count:
@@ -454,13 +493,65 @@ def _closed_loop_clients(obs: Observed) -> int:
     return int(round(top))
 
 
-def _kv_capacity_tokens(gpu_key: str, group: str, model_key: str, knobs: Knobs) -> float:
+def _room_bytes(group: str, model_key: str, knobs: Knobs) -> float:
+    """What gpu-memory-utilization leaves for activations and KV beside the weights (the simulator, as
+    vLLM, sizes the pool within that share; the CUDA contexts are charged outside it)."""
+    return gpu_specs.SPECS[group].memory_bytes * knobs.gpu_memory_utilization - MODELS[model_key].weight_bytes
+
+
+def _kv_capacity_tokens(group: str, model_key: str, knobs: Knobs, activation_bytes: int) -> float:
     """Tokens of KV the pool holds, as :func:`engine`'s layout sizes it on the simulated device."""
+    pool = _room_bytes(group, model_key, knobs) - activation_bytes
+    return max(0.0, pool) / MODELS[model_key].kv_bytes_per_token
+
+
+def _size_pool(knobs: Knobs, obs: Observed, group: str, model_key: str,
+               kv_cache_tokens: int | None) -> tuple[int, str]:
+    """The activation workspace that gives the twin the window's KV pool, and a note saying from what.
+
+    The pool is the tokens someone states (``--kv-cache-tokens``, the engine's own gauge, the serve
+    command's --num-gpu-blocks-override or --kv-cache-memory-bytes, in that order), else vLLM's sizing
+    with an estimated workspace. A stated pool larger than gpu-memory-utilization leaves beside the
+    weights raises the share to hold it (vLLM ignores the share under --kv-cache-memory-bytes); one
+    that the device cannot hold is refused. Sets ``knobs.kv_cache_tokens`` and its source.
+    """
     shape = MODELS[model_key]
     dev = gpu_specs.SPECS[group].memory_bytes
-    pool = (dev * knobs.gpu_memory_utilization - shape.weight_bytes - ACTIVATION_BYTES_ESTIMATE
-            - 512 * 1024**2 * knobs.tensor_parallel_size)
-    return max(0.0, pool) / shape.kv_bytes_per_token
+    if kv_cache_tokens is not None:
+        knobs.kv_cache_tokens, knobs.sources["kv_cache_tokens"] = int(kv_cache_tokens), "--kv-cache-tokens"
+    elif obs.kv_capacity_tokens > 0:
+        knobs.kv_cache_tokens = int(round(obs.kv_capacity_tokens))
+        knobs.sources["kv_cache_tokens"] = "the engine's own gauge (vLLM: cache_config_info)"
+    elif knobs.kv_cache_memory_bytes and not knobs.kv_cache_tokens:
+        knobs.kv_cache_tokens = int(knobs.kv_cache_memory_bytes * knobs.tensor_parallel_size
+                                    // shape.kv_bytes_per_token)
+        knobs.sources["kv_cache_tokens"] = "serve command (--kv-cache-memory-bytes per GPU)"
+    if not knobs.kv_cache_tokens:
+        return ACTIVATION_BYTES_ESTIMATE, (
+            f"KV pool sized as vLLM sizes it: {knobs.gpu_memory_utilization:g} of the device less "
+            f"{shape.weight_bytes / GIB:.1f} GiB of weights and an estimated {ACTIVATION_BYTES_ESTIMATE / GIB:.0f} "
+            f"GiB of activations (--kv-cache-tokens gives the pool vLLM logged: \"GPU KV cache size: N tokens\")")
+    pool = knobs.kv_cache_tokens * shape.kv_bytes_per_token
+    src = knobs.sources["kv_cache_tokens"]
+    stated = (f"KV pool of {knobs.kv_cache_tokens:,} tokens ({fmt_bytes(pool)}) from {src}")
+    # The caching allocator rounds the weights' and the workspace's segments up to K_ROUND_LARGE: the
+    # workspace leaves that much slack twice, so the twin's pool is the stated one or a block more.
+    activation = (_room_bytes(group, model_key, knobs) - pool) // K_ROUND_LARGE * K_ROUND_LARGE - 2 * K_ROUND_LARGE
+    context = CUDA_CONTEXT_BYTES * knobs.tensor_parallel_size
+    if activation >= 0 and shape.weight_bytes + activation + pool + context <= dev:
+        return int(activation), f"{stated}; the rest of the device's {knobs.gpu_memory_utilization:g} share " \
+                                f"beside {shape.weight_bytes / GIB:.1f} GiB of weights is workspace " \
+                                f"({fmt_bytes(activation)})"
+    share = (shape.weight_bytes + pool) / dev
+    if shape.weight_bytes + pool + context > dev:
+        raise NotDescribable(f"a KV pool of {knobs.kv_cache_tokens:,} tokens ({fmt_bytes(pool)}, from {src}) and "
+                             f"{shape.weight_bytes / GIB:.1f} GiB of weights do not fit {fmt_bytes(dev)} of "
+                             f"{group}: check --gpu, --model and the pool's figure")
+    was = knobs.gpu_memory_utilization
+    knobs.gpu_memory_utilization = round(math.ceil(share * 1e4) / 1e4, 4)
+    knobs.sources["gpu_memory_utilization"] = f"raised from {was:g} to hold the stated KV pool"
+    return 0, f"{stated}; it needs {knobs.gpu_memory_utilization:g} of the device beside the weights " \
+              f"(gpu-memory-utilization {was:g} leaves less), so the twin takes that share"
 
 
 # Output spread from KV occupancy: samples where the cache holds a fifth or more of its capacity, once
@@ -736,7 +827,7 @@ def engine(f: Fitted) -> EngineConfig:
                                   policy="newest", admit_while_preempting=False, running_first=True,
                                   admission_lookahead=0),
         layout=DeviceLayout(memory_fraction=1.0, activation_bytes=f.activation_bytes,
-                            cuda_context_bytes=512 * 1024**2 * k.tensor_parallel_size,
+                            cuda_context_bytes=CUDA_CONTEXT_BYTES * k.tensor_parallel_size,
                             gpu_memory_utilization=k.gpu_memory_utilization))
 
 

@@ -557,18 +557,46 @@ def _cache_config_capacity(families: list, out: dict) -> None:
     from prometheus_client.metrics_core import Metric
     from prometheus_client.samples import Sample
 
-    metric = CATALOG[M.engine_kv_capacity_tokens]
-    for family in families:
-        if family.name != "vllm:cache_config_info":
-            continue
-        for s in family.samples:
-            try:
-                tokens = float(s.labels["num_gpu_blocks"]) * float(s.labels["block_size"])
-            except (KeyError, ValueError):
+    for name, column, factors in label_products("vllm"):
+        metric = CATALOG[column]
+        for family in families:
+            if family.name != name:
                 continue
-            labels = {k: v for k, v in s.labels.items() if k in ("engine", "model_name")}
-            fam = out.setdefault(metric.name, Metric(metric.name, metric.help, metric.type))
-            fam.samples.append(Sample(metric.name, labels, tokens, None, None))
+            for s in family.samples:
+                value = label_product(s.labels, factors)
+                if value is None:
+                    continue
+                labels = {k: v for k, v in s.labels.items() if k in ("engine", "model_name")}
+                fam = out.setdefault(metric.name, Metric(metric.name, metric.help, metric.type))
+                fam.samples.append(Sample(metric.name, labels, value, None, None))
+
+
+def label_products(dialect: str) -> list[tuple[str, str, tuple[str, ...]]]:
+    """(series name, catalog column, labels) of the columns a dialect writes as the product of an
+    info gauge's labels (vLLM's ``cache_config_info``: num_gpu_blocks x block_size tokens)."""
+    d = DIALECTS[dialect]
+    table = d.by_name()
+    out = []
+    for column, name, _, op in d.derived:
+        if op == "info_labels":
+            factors = next(s.labels for s in table[name] if s.column is None)
+            out.append((name, column, factors))
+    return out
+
+
+def label_product(labels: dict[str, str], factors: tuple[str, ...]) -> float | None:
+    """The product of ``labels``' numeric values named in ``factors``; None where one is absent or
+    not a positive number (vLLM writes ``"None"`` before the pool is sized)."""
+    value = 1.0
+    for name in factors:
+        try:
+            x = float(labels[name])
+        except (KeyError, ValueError):
+            return None
+        if not math.isfinite(x) or x <= 0:
+            return None
+        value *= x
+    return value
 
 
 def vllm_renames() -> dict[str, str]:

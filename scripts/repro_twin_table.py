@@ -26,11 +26,12 @@ from gpudiag import file_source, repro, repro_fit  # noqa: E402
 GPU = "B200"  # every InferenceX run (MANIFEST.md)
 
 
-def twin(run, tmp: Path, seed: int = 0) -> dict:
-    """Fit and replay one run: its figures, observed and simulated, or why it cannot be described."""
+def twin(run, tmp: Path, seed: int = 0, logged_pool: bool = False) -> dict:
+    """Fit and replay one run: its figures, observed and simulated, or why it cannot be described.
+    ``logged_pool``: the scrapes carry vllm:cache_config_info with the pool the run's vLLM logged."""
     path = tmp / f"{run.node}.om"
     with open(path, "w") as fh:
-        real_vllm.write_openmetrics([run], fh, 1.77e9)
+        real_vllm.write_openmetrics([run], fh, 1.77e9, cache_config=logged_pool)
     window, _ = file_source.load_window([str(path)])
     out = {"run": run.node, "model": run.model, "index_preemptions": run.preemptions}
     try:
@@ -45,6 +46,7 @@ def twin(run, tmp: Path, seed: int = 0) -> dict:
     sim = repro_fit.summarize_run(res)
     return {**out, "duration_s": f.duration_s, "speed_factor": f.speed_factor, "sigma_output": f.sigma_output,
             "max_num_seqs": f.knobs.max_num_seqs, "tp": f.knobs.tensor_parallel_size, "clients": f.clients,
+            "pool_tokens": f.pool_tokens, "pool_stated": bool(f.knobs.kv_cache_tokens),
             "fidelity": repro_fit.fidelity(f.observed, sim, f.duration_s), "observed": f.observed,
             "simulated": sim, "wall_s": wall}
 
@@ -92,6 +94,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", nargs="*", help="node names (tp1_bs256_offloadoff, ...); default: every run")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--logged-pools", action="store_true",
+                    help="give each run the KV pool its vLLM logged (tests/real_vllm.py LOGGED_KV_TOKENS), as "
+                         "vllm:cache_config_info in its scrapes; runs without a logged pool keep the estimate")
     args = ap.parse_args()
     if not real_vllm.INFERENCEX.is_dir():
         print(f"no InferenceX runs at {real_vllm.INFERENCEX} (set GPUDIAG_REAL_DATA)", file=sys.stderr)
@@ -107,7 +112,7 @@ def main() -> int:
         print(HEADER, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for r in runs:
-            d = twin(r, Path(tmp))
+            d = twin(r, Path(tmp), logged_pool=args.logged_pools)
             docs.append(d)
             if not args.json:
                 print(row(d), flush=True)

@@ -61,6 +61,24 @@ COUNTERS = {
     "request_success_total": "vllm:request_success",
 }
 EXTRA_LABELS = {"vllm:request_success": 'finished_reason="stop"'}
+BLOCK_SIZE = 16  # vLLM's default; no sweep command sets --block-size
+
+# The KV pool each sweep run's vLLM logged at start ("GPU KV cache size: N tokens"), from the run's
+# server log in SemiAnalysisAI/InferenceX (experimental/multiturn/vllm_benchmark/results/
+# sweep_results_20260204_062339/<run>/server.log, tp2 runs: server_attempt1.log; commit 2582608b).
+# The scrapes do not keep vllm:cache_config_info, which carries the same figure as num_gpu_blocks x
+# block_size. tp2_bs256_offloadoff and tp2_bs512_offloadon are absent: their logs hold the lines
+# of an engine that failed to start and not those of the engine that served.
+LOGGED_KV_TOKENS = {
+    "tp1_bs16_offloadoff": 782_160, "tp1_bs16_offloadon": 782_160, "tp1_bs32_offloadoff": 782_160,
+    "tp1_bs32_offloadon": 782_160, "tp1_bs64_offloadoff": 782_176, "tp1_bs64_offloadon": 782_176,
+    "tp1_bs128_offloadoff": 782_160, "tp1_bs128_offloadon": 782_160, "tp1_bs256_offloadoff": 780_992,
+    "tp1_bs256_offloadon": 780_992, "tp1_bs512_offloadoff": 773_312, "tp1_bs512_offloadon": 773_312,
+    "tp2_bs16_offloadoff": 1_819_408, "tp2_bs16_offloadon": 1_811_872, "tp2_bs32_offloadoff": 1_819_408,
+    "tp2_bs32_offloadon": 1_819_408, "tp2_bs64_offloadoff": 1_817_968, "tp2_bs64_offloadon": 1_817_968,
+    "tp2_bs128_offloadoff": 1_818_176, "tp2_bs128_offloadon": 1_818_176, "tp2_bs256_offloadon": 1_809_120,
+    "tp2_bs512_offloadoff": 1_795_104,
+}
 
 
 @dataclass(frozen=True)
@@ -131,16 +149,29 @@ def _samples(run: Run, data: list[dict[str, str]], t0: float, column: str, name:
         yield f"{name}{{{labels}}} {float(r[column]) * scale:g} {at:.3f}\n"
 
 
-def write_openmetrics(chosen: list[Run], out: TextIO, t0: float) -> dict[str, tuple[float, float]]:
+def write_openmetrics(chosen: list[Run], out: TextIO, t0: float, *,
+                      cache_config: bool = False) -> dict[str, tuple[float, float]]:
     """The runs' series as OpenMetrics text with timestamps, every run moved to start at ``t0``;
     returns each run's (first, last) scrape time on that clock, by node name.
 
     OpenMetrics keeps a family's samples together: each family is written once, with every
-    run's series in it, each series in time order.
+    run's series in it, each series in time order. ``cache_config`` adds vLLM's
+    ``vllm:cache_config_info`` at every scrape, its pool the one the run logged
+    (:data:`LOGGED_KV_TOKENS`; runs without a logged pool get none).
     """
     data = {r.node: rows(r) for r in chosen}
     spans = {node: (t0, t0 + float(d[-1]["timestamp_sec"]) - float(d[0]["timestamp_sec"]))
              for node, d in data.items()}
+    if cache_config:
+        out.write("# TYPE vllm:cache_config_info gauge\n")
+        for r in chosen:
+            if r.node not in LOGGED_KV_TOKENS:
+                continue
+            labels = (f'{_labels(r, "vllm:cache_config_info")},block_size="{BLOCK_SIZE}",'
+                      f'num_gpu_blocks="{LOGGED_KV_TOKENS[r.node] // BLOCK_SIZE}"')
+            first = float(data[r.node][0]["timestamp_sec"])
+            out.writelines(f"vllm:cache_config_info{{{labels}}} 1 {t0 + float(x['timestamp_sec']) - first:.3f}\n"
+                           for x in data[r.node])
     for column, (family, scale) in GAUGES.items():
         out.write(f"# TYPE {family} gauge\n")
         for r in chosen:

@@ -368,3 +368,26 @@ def test_a_dialect_the_engine_does_not_speak_is_one_line_and_exit_2(cli, tmp_pat
     assert p.returncode == 2, p.stderr
     assert says in p.stderr and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert not (tmp_path / "s.db").exists()  # refused before anything was opened
+
+
+@pytest.mark.parametrize("blocks, tokens", [("27000", 27000 * 16), ("None", None), ("", None), ("nan", None),
+                                            ("inf", None), ("-5", None), ("0", None), ("1e400", None)])
+def test_cache_config_capacity_from_a_recorded_file_and_what_it_refuses(tmp_path, blocks, tokens):
+    """vLLM's pool in a recorded scrape (``--file``): num_gpu_blocks x block_size; a label that is no positive
+    finite number (vLLM writes "None" before it has sized the pool) gives no capacity, and no error."""
+    from gpudiag import file_source
+
+    path = tmp_path / "scrape.om"
+    path.write_text(
+        "# TYPE vllm:num_requests_running gauge\n"
+        f'vllm:num_requests_running{{{_VL}}} 3 1770000000\n'
+        f'vllm:num_requests_running{{{_VL}}} 4 1770000001\n'
+        "# TYPE vllm:cache_config_info gauge\n"
+        f'vllm:cache_config_info{{block_size="16",{_VL},num_gpu_blocks="{blocks}"}} 1 1770000000\n'
+        f'vllm:cache_config_info{{block_size="16",{_VL},num_gpu_blocks="{blocks}"}} 1 1770000001\n'
+        "# EOF\n")
+    window, _ = file_source.load_window([str(path)])
+    eng = window.table("engine")
+    got = eng[M.engine_kv_capacity_tokens].dropna().unique().tolist() if M.engine_kv_capacity_tokens in eng else []
+    assert got == ([tokens] if tokens else [])
+    assert eng[M.num_requests_running].dropna().tolist()[-1] == 4

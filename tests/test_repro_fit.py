@@ -22,6 +22,7 @@ from gpudiag.catalog import M
 from gpudiag.cli import main
 from gpudiag.errors import GpudiagError
 from gpudiag.reference_engine import scenarios
+from gpudiag.reference_engine.sim.engine import SimEngine
 
 T0 = 1_770_000_000.0
 LLAMA = "nvidia/Llama-3.3-70B-Instruct-FP4"
@@ -148,6 +149,101 @@ def test_the_fit_reads_the_run_as_it_was_served(tmp_path, runs):
     mean_prompt = sum(b.prompt_mean * b.qps for b in f.bins) / sum(b.qps for b in f.bins)
     assert 1000 < mean_prompt < 4000
     assert any("spread" in n for n in f.notes) and any("calibrated" in n for n in f.notes)
+
+
+# ---- the KV pool: stated where anything states it, sized as vLLM sizes it otherwise -----------------
+
+@needs_real
+def test_the_pool_vllm_reports_in_cache_config_info_is_the_twins(tmp_path, runs):
+    r = runs["tp1_bs256_offloadoff"]
+    path = tmp_path / "with-cache-config.om"
+    with open(path, "w") as fh:
+        real_vllm.write_openmetrics([r], fh, T0, cache_config=True)
+    window, _ = file_source.load_window([str(path)])
+    assert window.table("engine")[M.engine_kv_capacity_tokens].dropna().eq(780_992).all()
+    f = repro_fit.fit(window, gpu="B200", model=r.model, serve_args=r.command, source=r.node)
+    assert f.knobs.kv_cache_tokens == 780_992 and "cache_config_info" in f.knobs.sources["kv_cache_tokens"]
+    assert any("KV pool of 780,992 tokens" in n for n in f.notes)
+    # The twin's engine holds what the engine said it holds (the allocator's 2 MiB rounding: a block more).
+    cfg, workload = repro_fit.scenario(f).build(None)
+    assert 0 <= SimEngine(cfg, workload, seed=0).kv.num_blocks - 780_992 // 16 <= 1
+    # Without the gauge the pool is vLLM's sizing with an estimated workspace: within 2 % of what the
+    # run logged (766,004 against 780,992 tokens).
+    bare, _ = file_source.load_window([_om(tmp_path, r)])
+    g = repro_fit.fit(bare, gpu="B200", model=r.model, serve_args=r.command, source=r.node)
+    assert g.knobs.kv_cache_tokens == 0 and g.activation_bytes == repro_fit.ACTIVATION_BYTES_ESTIMATE
+    estimate = repro_fit._kv_capacity_tokens(g.gpu, g.model, g.knobs, g.activation_bytes)
+    assert estimate == pytest.approx(real_vllm.LOGGED_KV_TOKENS[r.node], rel=0.02)
+    # --kv-cache-tokens states it where the window does not; vLLM's log writes it with commas.
+    res = _cli("repro", "--file", _om(tmp_path, r), "--gpu", "B200", "--model", LLAMA, "--serve-args", r.command,
+               "--kv-cache-tokens", "700,000", "--fix", "none", "--json", "--from", str(T0), "--to", str(T0 + 120))
+    assert res.exit_code == 0, res.output + res.error
+    knobs = json.loads(res.output)["fit"]["knobs"]
+    assert knobs["kv_cache_tokens"] == 700_000 and knobs["sources"]["kv_cache_tokens"] == "--kv-cache-tokens"
+
+
+@needs_real
+def test_without_a_stated_pool_the_estimate_is_within_2_percent_of_what_vllm_logged(tmp_path, runs):
+    for node, logged in real_vllm.LOGGED_KV_TOKENS.items():
+        r = runs[node]
+        window, _ = file_source.load_window([_om(tmp_path, r)], start=str(T0), end=str(T0 + 120))
+        f = repro_fit.fit(window, gpu="B200", model=r.model, serve_args=r.command, source=node)
+        assert f.knobs.kv_cache_tokens == 0
+        assert f.pool_tokens == pytest.approx(logged, rel=0.02), node
+
+
+def test_the_serve_command_can_state_the_pool():
+    k = repro_fit.parse_serve_args("vllm serve m --block-size 32 --num-gpu-blocks-override 1000", 80 * 2**30)
+    assert k.kv_cache_tokens == 32_000 and "num-gpu-blocks-override" in k.sources["kv_cache_tokens"]
+    k = repro_fit.parse_serve_args("vllm serve m --kv-cache-memory-bytes 8589934592 -tp 2", 80 * 2**30)
+    assert k.kv_cache_memory_bytes == 8 * 2**30 and k.kv_cache_tokens == 0  # tokens need the model: at the fit
+    for bad in ("--num-gpu-blocks-override 0", "--num-gpu-blocks-override lots", "--kv-cache-memory-bytes 8G",
+                "--kv-cache-memory-bytes -1"):
+        with pytest.raises(GpudiagError, match="--serve-args"):
+            repro_fit.parse_serve_args(f"vllm serve m {bad}", 80 * 2**30)
+
+
+@needs_real
+def test_a_stated_pool_sets_the_workspace_raises_the_share_or_is_refused(tmp_path, runs):
+    r = runs["tp1_bs64_offloadoff"]
+    window, _ = file_source.load_window([_om(tmp_path, r)], start=str(T0), end=str(T0 + 120))
+    shape = repro_fit.MODELS["llama-3.3-70b-fp4"]
+
+    def fitted(**kw):
+        return repro_fit.fit(window, gpu="B200", model=r.model, serve_args=r.command, **kw)
+
+    # Smaller than the estimate: the rest of the share is workspace.
+    f = fitted(kv_cache_tokens=400_000)
+    assert f.activation_bytes > repro_fit.ACTIVATION_BYTES_ESTIMATE
+    assert 0 <= repro_fit._kv_capacity_tokens(f.gpu, f.model, f.knobs, f.activation_bytes) - 400_000 <= 32
+    # Larger than gpu-memory-utilization leaves (vLLM ignores it under --kv-cache-memory-bytes): the
+    # twin takes the share the pool needs, and says so.
+    per_gpu = 130 * 2**30
+    f = repro_fit.fit(window, gpu="B200", model=r.model,
+                      serve_args=r.command + f" --kv-cache-memory-bytes {per_gpu}")
+    assert f.knobs.kv_cache_tokens == per_gpu // shape.kv_bytes_per_token
+    assert f.knobs.gpu_memory_utilization > 0.9 and "raised from 0.9" in f.knobs.sources["gpu_memory_utilization"]
+    assert repro_fit._kv_capacity_tokens(f.gpu, f.model, f.knobs, f.activation_bytes) >= f.knobs.kv_cache_tokens
+    # A pool the device cannot hold beside the weights is refused, on one line.
+    with pytest.raises(repro_fit.NotDescribable, match="do not fit"):
+        fitted(kv_cache_tokens=5_000_000)
+    path = _om(tmp_path, r)
+    _one_line_exit_2(_cli("repro", "--file", path, "--gpu", "B200", "--model", LLAMA, "--kv-cache-tokens",
+                          "5000000"), "do not fit", "--kv-cache-tokens")
+    for bad in ("0", "-5", "1.5", "lots", ""):
+        _one_line_exit_2(_cli("repro", "--file", path, "--gpu", "B200", "--model", LLAMA, "--kv-cache-tokens", bad),
+                         "--kv-cache-tokens", "positive whole number")
+
+
+def test_window_options_on_a_canned_scenario_are_refused(tmp_path):
+    _one_line_exit_2(_cli("repro", "kv-eviction-storm", "--kv-cache-tokens", "1000"), "--kv-cache-tokens",
+                     "window source")
+    _one_line_exit_2(_cli("repro", "kv-eviction-storm", "--serve-args", "vllm serve m", "--node", "n"),
+                     "--node", "--serve-args", "window source")
+    fitted = tmp_path / "fitted.toml"
+    fitted.write_text('format = "gpudiag-fitted-scenario/1"\n')
+    _one_line_exit_2(_cli("repro", str(fitted), "--kv-cache-tokens", "1000"), "--kv-cache-tokens",
+                     "keeps the pool")
 
 
 # ---- fitted scenario files ------------------------------------------------------------------------
@@ -312,7 +408,7 @@ def test_a_window_read_from_prometheus_is_fitted_and_replayed(tmp_path, runs):
     block_s = 7200  # promtool writes two-hour blocks: the run moved into one, ending before now
     t0 = (int(time.time() - r.duration_s - 600) // block_s) * block_s
     with open(tmp_path / "series.om", "w") as fh:
-        spans = real_vllm.write_openmetrics([r], fh, t0)
+        spans = real_vllm.write_openmetrics([r], fh, t0, cache_config=True)
     with backfilled_prometheus(tmp_path, tmp_path / "series.om", "vllm:num_requests_running", t0 + 60) as url:
         first, _ = spans[r.node]
         res = _cli("repro", "--from-prometheus", url, "--node", r.node, "--from", f"{first + 300:.0f}",
@@ -321,6 +417,9 @@ def test_a_window_read_from_prometheus_is_fitted_and_replayed(tmp_path, runs):
     assert res.exit_code == 0, res.output + res.error
     doc = json.loads(res.output)
     assert doc["fit"]["knobs"]["max_num_seqs"] == 64 and doc["fit"]["initial_requests"] >= 60
+    # The pool vLLM states in cache_config_info's labels, read through PromQL.
+    assert doc["fit"]["knobs"]["kv_cache_tokens"] == 782_176
+    assert "cache_config_info" in doc["fit"]["knobs"]["sources"]["kv_cache_tokens"]
     fid = doc["fidelity"]
     assert fid["observed_regime"] == fid["simulated_regime"] == "calm"
     assert doc["fixes_from"] == "findings" and doc["proposed"] == [] and doc["fixes"] == []

@@ -53,6 +53,9 @@ def repro(
                                              "the window does not show."),
     save: Optional[str] = typer.Option(None, "--save", help="With a window source: write the fitted scenario "
                                        "to this TOML file."),
+    kv_cache_tokens: Optional[str] = typer.Option(None, "--kv-cache-tokens", help="With a window source: the "
+                                                  "tokens the engine's KV pool holds, where the window does not "
+                                                  "say (vLLM logs \"GPU KV cache size: N tokens\" at start)."),
 ):
     """Reproduce a field incident on the simulated GPU, diagnose it, and check a fix."""
     from gpudiag import repro as R
@@ -63,9 +66,15 @@ def repro(
         return _list(out, as_json)
     if from_store or from_prometheus or files or (scenario or "").endswith(".toml"):
         return _fitted(scenario, fix, seed, as_json, from_store, from_prometheus, files or [], since, start, end,
-                       node, gpu, model, serve_args, save,
+                       node, gpu, model, serve_args, save, kv_cache_tokens,
                        ignored=[o for o, v in (("--qps", qps), ("--duration", duration),
                                                ("--block-size", block_size)) if v is not None])
+    window_only = [o for o, v in (("--since", since), ("--from", start), ("--to", end), ("--node", node),
+                                  ("--serve-args", serve_args), ("--save", save),
+                                  ("--kv-cache-tokens", kv_cache_tokens)) if v is not None]
+    if window_only:
+        raise GpudiagError(f"{', '.join(window_only)} apply to a window source (--from-store, --from-prometheus, "
+                           f"--file); a canned scenario has none")
     if scenario is None:
         raise GpudiagError(f"name a scenario; valid: {', '.join(scenarios.SCENARIOS)} (or use --list)")
     sc = scenarios.get(scenario)
@@ -107,9 +116,10 @@ def repro(
 
 
 def _fitted(scenario, fix, seed, as_json, from_store, from_prometheus, files, since, start, end, node, gpu, model,
-            serve_args, save, ignored) -> int:
+            serve_args, save, kv_cache_tokens, ignored) -> int:
     from gpudiag import repro_fit
 
+    pool = _positive_tokens(kv_cache_tokens)
     if ignored:
         raise GpudiagError(f"{', '.join(ignored)} apply to canned scenarios; a fitted window takes its rates and "
                            f"knobs from the window (use --fix to change a knob)")
@@ -118,12 +128,29 @@ def _fitted(scenario, fix, seed, as_json, from_store, from_prometheus, files, si
         if from_store or from_prometheus or files:
             raise GpudiagError("give a fitted scenario file or a window source (--from-store, --from-prometheus, "
                                "--file), not both")
+        if pool is not None:
+            raise GpudiagError("--kv-cache-tokens applies to a window being fitted; a fitted scenario file keeps "
+                               "the pool it was fitted with")
         fitted = repro_fit.load(scenario)
     else:
         window, source = load_source_window(store=from_store, prometheus=from_prometheus, files=files, since=since,
                                             start=start, end=end, node=node)
-        fitted = repro_fit.fit(window, gpu=gpu, model=model, serve_args=serve_args, source=source)
+        fitted = repro_fit.fit(window, gpu=gpu, model=model, serve_args=serve_args, source=source,
+                               kv_cache_tokens=pool)
     return run_fitted(fitted, fixes=fixes, seed=seed, as_json=as_json, save=save)
+
+
+def _positive_tokens(text: str | None) -> int | None:
+    """--kv-cache-tokens as a count (vLLM writes it with thousands separators: 1,234,567)."""
+    if text is None:
+        return None
+    try:
+        n = int(text.replace(",", "").replace("_", "").strip())
+    except ValueError:
+        n = 0
+    if n <= 0:
+        raise GpudiagError(f"--kv-cache-tokens {text!r}: give the pool's size as a positive whole number of tokens")
+    return n
 
 
 def _run_with_progress(sc, fix, seed, overrides):
@@ -344,6 +371,7 @@ def run_fitted(fitted, *, fixes: list[str], seed: int, as_json: bool, save: str 
                 "sigma_output": fitted.sigma_output, "lengths_from": fitted.lengths_from,
                 "arrivals_from": fitted.arrivals_from, "initial_requests": fitted.initial_requests,
                 "mean_qps": sum(b.qps * (b.end_s - b.start_s) for b in fitted.bins) / fitted.duration_s,
+                "kv_pool_tokens": round(fitted.pool_tokens),
                 "notes": fitted.notes},
         "saved_to": save,
         "fidelity": F.fidelity(fitted.observed, base, fitted.duration_s),
@@ -393,7 +421,8 @@ def _print_fitted(out: Console, doc: dict) -> None:
     out.print(f"knobs: max-num-seqs {k['max_num_seqs']}, max-num-batched-tokens {k['max_num_batched_tokens']}, "
               f"gpu-memory-utilization {k['gpu_memory_utilization']:g}, block size {k['block_size']}, prefix "
               f"caching {'on' if k['prefix_caching'] else 'off'}, chunked prefill "
-              f"{'on' if k['chunked_prefill'] else 'off'}, KV offload {_offload(k)}")
+              f"{'on' if k['chunked_prefill'] else 'off'}, KV offload {_offload(k)}, KV pool "
+              f"{fit['kv_pool_tokens']:,} tokens ({'stated' if k['kv_cache_tokens'] else 'estimated'})")
     for n in fit["notes"]:
         out.print(f"  - {n}", markup=False)
     if doc["saved_to"]:
