@@ -171,26 +171,20 @@ def parse_serve_args(text: str | None, device_bytes: int) -> Knobs:
     if any(n in opts for n in ("kv-offloading-backend", "kv-offloading-size", "kv-transfer-config")):
         k.kv_offload = True
         src["kv_offload"] = "serve command"
+    def positive(name: str, cast, unit: str):
+        v = num(name, cast)
+        if not v > 0:
+            raise GpudiagError(f"--serve-args: --{name} must be positive {unit}, got {opts[name]}")
+        return v
+
     if "kv-offloading-size" in opts:
-        size = num("kv-offloading-size", float)
-        if not size > 0:
-            raise GpudiagError(f"--serve-args: --kv-offloading-size must be positive GiB, "
-                               f"got {opts['kv-offloading-size']}")
-        k.kv_offload_bytes = int(size * GIB)
+        k.kv_offload_bytes = int(positive("kv-offloading-size", float, "GiB") * GIB)
         src["kv_offload_bytes"] = "serve command"
     if "num-gpu-blocks-override" in opts:
-        blocks = num("num-gpu-blocks-override", int)
-        if blocks <= 0:
-            raise GpudiagError(f"--serve-args: --num-gpu-blocks-override must be a positive number of blocks, "
-                               f"got {opts['num-gpu-blocks-override']}")
-        k.kv_cache_tokens = blocks * k.block_size
+        k.kv_cache_tokens = positive("num-gpu-blocks-override", int, "blocks") * k.block_size
         src["kv_cache_tokens"] = "serve command (--num-gpu-blocks-override x block size)"
     if "kv-cache-memory-bytes" in opts:
-        size = num("kv-cache-memory-bytes", int)
-        if size <= 0:
-            raise GpudiagError(f"--serve-args: --kv-cache-memory-bytes must be a positive number of bytes, "
-                               f"got {opts['kv-cache-memory-bytes']}")
-        k.kv_cache_memory_bytes = size
+        k.kv_cache_memory_bytes = positive("kv-cache-memory-bytes", int, "bytes")
         src["kv_cache_memory_bytes"] = "serve command"
     if "pipeline-parallel-size" in opts and opts["pipeline-parallel-size"] not in ("1", None):
         raise NotDescribable("the serve command runs pipeline parallel; the simulator describes one engine "
