@@ -93,7 +93,10 @@ def test_an_eviction_storm_scraped_from_the_agent_is_found_through_prometheus(cl
     assert p.returncode == 1, p.stderr
     doc = json.loads(p.stdout)
     assert doc["sources"] == [f"prometheus:{url}"]
-    storm = next(f for f in doc["findings"] if f["kind"] == "kv_eviction_storm")
+    # The longest storm finding: on a loaded machine a first finding has come out alone, 120 simulated
+    # seconds from ~3010 s, where an idle one finds one storm of ~3800-4330 s.
+    storm = max((f for f in doc["findings"] if f["kind"] == "kv_eviction_storm"),
+                key=lambda f: f["end_s"] - f["start_s"])
     assert storm["node"] == "sim-node" and storm["gpu"] == 0
     # The frames are back on the simulated clock: the storm lasts simulated minutes, not wall seconds.
     assert storm["end_s"] - storm["start_s"] >= 300
