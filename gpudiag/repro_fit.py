@@ -515,7 +515,8 @@ def _size_pool(knobs: Knobs, obs: Observed, group: str, model_key: str,
         knobs.kv_cache_tokens, knobs.sources["kv_cache_tokens"] = int(kv_cache_tokens), "--kv-cache-tokens"
     elif obs.kv_capacity_tokens > 0:
         knobs.kv_cache_tokens = int(round(obs.kv_capacity_tokens))
-        knobs.sources["kv_cache_tokens"] = "the engine's own gauge (vLLM: cache_config_info)"
+        knobs.sources["kv_cache_tokens"] = ("the engine's own gauge (vLLM's cache_config_info, SGLang's "
+                                            "max_total_num_tokens)")
     elif knobs.kv_cache_memory_bytes and not knobs.kv_cache_tokens:
         knobs.kv_cache_tokens = int(knobs.kv_cache_memory_bytes * knobs.tensor_parallel_size
                                     // shape.kv_bytes_per_token)
