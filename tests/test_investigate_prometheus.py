@@ -93,8 +93,9 @@ def test_an_eviction_storm_scraped_from_the_agent_is_found_through_prometheus(cl
     assert p.returncode == 1, p.stderr
     doc = json.loads(p.stdout)
     assert doc["sources"] == [f"prometheus:{url}"]
-    # The longest storm finding: on a loaded machine a first finding has come out alone, 120 simulated
-    # seconds from ~3010 s, where an idle one finds one storm of ~3800-4330 s.
+    # The longest storm finding: seed 0's storm has two episodes (the canned run finds 3100-3524 s and
+    # 4137-4691 s), and at one sample per 25 simulated seconds which of them is found, and first, varies
+    # with the machine's load (a loaded run's first finding: 120 s from ~3010 s).
     storm = max((f for f in doc["findings"] if f["kind"] == "kv_eviction_storm"),
                 key=lambda f: f["end_s"] - f["start_s"])
     assert storm["node"] == "sim-node" and storm["gpu"] == 0
