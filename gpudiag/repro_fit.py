@@ -108,7 +108,20 @@ class Knobs:
     kv_cache_tokens: int = 0
     # --kv-cache-memory-bytes (per GPU, as vLLM's CacheConfig takes it); 0: not given.
     kv_cache_memory_bytes: int = 0
+    # --num-gpu-blocks-override; 0: not given.
+    num_gpu_blocks_override: int = 0
     sources: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def pool_option(self) -> str | None:
+        """The serve option that sets the KV pool's size outright, where one does: vLLM then ignores
+        gpu-memory-utilization for the pool (--num-gpu-blocks-override replaces the profiled block count;
+        --kv-cache-memory-bytes replaces the profile)."""
+        if self.kv_cache_memory_bytes:
+            return "--kv-cache-memory-bytes"
+        if self.num_gpu_blocks_override:
+            return "--num-gpu-blocks-override"
+        return None
 
 
 def parse_serve_args(text: str | None, device_bytes: int) -> Knobs:
@@ -181,7 +194,8 @@ def parse_serve_args(text: str | None, device_bytes: int) -> Knobs:
         k.kv_offload_bytes = int(positive("kv-offloading-size", float, "GiB") * GIB)
         src["kv_offload_bytes"] = "serve command"
     if "num-gpu-blocks-override" in opts:
-        k.kv_cache_tokens = positive("num-gpu-blocks-override", int, "blocks") * k.block_size
+        k.num_gpu_blocks_override = positive("num-gpu-blocks-override", int, "blocks")
+        k.kv_cache_tokens = k.num_gpu_blocks_override * k.block_size
         src["kv_cache_tokens"] = "serve command (--num-gpu-blocks-override x block size)"
     if "kv-cache-memory-bytes" in opts:
         k.kv_cache_memory_bytes = positive("kv-cache-memory-bytes", int, "bytes")
@@ -886,8 +900,9 @@ def candidate_fixes(f: Fitted, res) -> list[Candidate]:
     For a paged engine at capacity that preempts (a KV-eviction-storm finding, or the twin's own
     regime): ``max-num-seqs=N``, N the number of requests the twin ran while its KV cache was full
     (the batch the pool holds; a cap there admits no request the pool must then preempt);
-    ``replicas=2``; a larger ``gpu-memory-utilization`` where the window's leaves room. A queue
-    avalanche proposes ``replicas=2``. A calm twin proposes none.
+    ``replicas=2``; ``kv-offload=GiB`` (the device pool's size) where offload is off; a larger
+    ``gpu-memory-utilization`` where the window's leaves room and no serve option sets the pool's size
+    outright. A queue avalanche proposes ``replicas=2``. A calm twin proposes none.
     """
     kinds = {fd.kind for fd in res.findings}
     sim = summarize_run(res)
@@ -905,8 +920,13 @@ def candidate_fixes(f: Fitted, res) -> list[Candidate]:
                 out.append(Candidate(f"max-num-seqs={n}", f"{why}: the twin ran {n} requests (median) while its KV "
                                      f"cache was full; a batch capped there fits the pool"))
         out.append(Candidate("replicas=2", f"{why}: half the traffic per replica halves the KV each pool holds"))
+        if not f.knobs.kv_offload:
+            gib = max(1, math.ceil(f.pool_tokens * MODELS[f.model].kv_bytes_per_token / GIB))
+            out.append(Candidate(f"kv-offload={gib}", f"{why}: a preempted request's KV loaded back from host "
+                                 f"memory instead of recomputed; {gib} GiB (the device pool's size) holds every "
+                                 f"request the pool can preempt, and is host memory the node must have free"))
         gmu = f.knobs.gpu_memory_utilization
-        if gmu + 1e-9 < GMU_MAX:
+        if f.knobs.pool_option is None and gmu + 1e-9 < GMU_MAX:
             new = round(min(GMU_MAX, gmu + GMU_STEP), 2)
             out.append(Candidate(f"gpu-memory-utilization={new:g}", f"{why}: a larger share of the device for the "
                                  f"KV pool (from {gmu:g})"))
@@ -939,6 +959,9 @@ def parse_fix(text: str, f: Fitted) -> tuple[str, float]:
     if name == "gpu-memory-utilization":
         if not 0 < v <= 1:
             raise GpudiagError("gpu-memory-utilization must be in (0, 1]")
+        if f.knobs.pool_option is not None:
+            raise GpudiagError(f"the window's engine sizes its KV pool with {f.knobs.pool_option}, which vLLM "
+                               f"takes instead of gpu-memory-utilization: that fix would not change the pool")
     elif name == "kv-offload":
         if not (v > 0 and math.isfinite(v)):
             raise GpudiagError(f"fix kv-offload needs a positive number of GiB, got {value}")

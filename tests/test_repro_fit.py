@@ -235,6 +235,31 @@ def test_a_stated_pool_sets_the_workspace_raises_the_share_or_is_refused(tmp_pat
                          "--kv-cache-tokens", "positive whole number")
 
 
+@needs_real
+def test_a_pool_sized_by_a_serve_option_gets_no_gpu_memory_utilization_fix(tmp_path, runs):
+    """Under --kv-cache-memory-bytes or --num-gpu-blocks-override vLLM does not size the pool from
+    gpu-memory-utilization: that fix would change nothing there. It is not proposed, and asked for it is
+    refused on one line; the same window served without those options still gets it."""
+    r = runs["tp1_bs256_offloadoff"]
+    path = _om(tmp_path, r)
+    window, _ = file_source.load_window([path])
+    plain = repro_fit.fit(window, gpu="B200", model=r.model, serve_args=r.command)
+    assert plain.knobs.pool_option is None
+    assert repro_fit.parse_fix("gpu-memory-utilization=0.95", plain) == ("gpu-memory-utilization", 0.95)
+    for extra, option in ((" --kv-cache-memory-bytes 120000000000", "--kv-cache-memory-bytes"),
+                          (" --num-gpu-blocks-override 48000", "--num-gpu-blocks-override")):
+        f = repro_fit.fit(window, gpu="B200", model=r.model, serve_args=r.command + extra)
+        assert f.knobs.pool_option == option
+        with pytest.raises(GpudiagError, match=f"sizes its KV pool with {option}"):
+            repro_fit.parse_fix("gpu-memory-utilization=0.95", f)
+    res = repro.run(repro_fit.scenario(f), None, 0)
+    proposed = [c.fix for c in repro_fit.candidate_fixes(f, res)]
+    assert "replicas=2" in proposed and not any(p.startswith("gpu-memory-utilization") for p in proposed)
+    _one_line_exit_2(_cli("repro", "--file", path, "--gpu", "B200", "--model", LLAMA, "--serve-args",
+                          r.command + " --num-gpu-blocks-override 48000", "--fix", "gpu-memory-utilization=0.95"),
+                     "--num-gpu-blocks-override", "would not change the pool")
+
+
 def test_window_options_on_a_canned_scenario_are_refused(tmp_path):
     _one_line_exit_2(_cli("repro", "kv-eviction-storm", "--kv-cache-tokens", "1000"), "--kv-cache-tokens",
                      "window source")
@@ -454,3 +479,37 @@ def test_kv_offload_loads_preempted_kv_back_instead_of_recomputing_it(tmp_path, 
     assert any("host KV tier of 300 GiB" in n for n in f_on.notes)
     with pytest.raises(GpudiagError, match="already on"):
         repro_fit.parse_fix("kv-offload=64", f_on)
+    # The findings propose it where offload is off, sized as the device pool; never where it is on.
+    pool_gib = math.ceil(f.pool_tokens * repro_fit.MODELS[f.model].kv_bytes_per_token / 2**30)
+    assert f"kv-offload={pool_gib}" in [c.fix for c in repro_fit.candidate_fixes(f, base)]
+    assert 100 <= pool_gib <= 130  # 769k tokens of a 70B's FP8 KV
+    on_res = repro.run(repro_fit.scenario(f_on), None, 0)
+    proposed_on = [c.fix for c in repro_fit.candidate_fixes(f_on, on_res)]
+    assert proposed_on and not any(p.startswith("kv-offload") for p in proposed_on)
+
+
+def test_the_fix_table_splits_to_fit_80_columns():
+    """Five fixes side by side are wider than a terminal: the table comes in parts, each within 80
+    columns, every fix's name whole, each part beside the unfixed twin."""
+    from rich.console import Console
+
+    from gpudiag.commands import repro as repro_cmd
+
+    figures = {key: 1234.5 for _, key, _ in repro_cmd.FIX_ROWS}
+    names = ["max-num-seqs=244", "replicas=2", "kv-offload=118", "gpu-memory-utilization=0.95",
+             "max-num-batched-tokens=16384"]
+    doc = {"simulated": figures, "fidelity": {"simulated_regime": "preempting"},
+           "fixes": [{"fix": n, "simulated": figures, "regime": "preempting"} for n in names]}
+    buf = io.StringIO()
+    repro_cmd._print_fixes(Console(file=buf, width=80, color_system=None), doc)
+    text = buf.getvalue()
+    assert max(len(line) for line in text.splitlines()) <= 80, text
+    parts = text.count("Fixes on the fitted workload")
+    assert parts >= 2 and text.count("unfixed twin") == parts and f"{parts} of {parts}" in text
+    for n in names:
+        assert n in text, n
+    assert "preemptin\n" not in text and "preempting" in text
+    # Wide enough for all of them: one table.
+    buf = io.StringIO()
+    repro_cmd._print_fixes(Console(file=buf, width=200, color_system=None), doc)
+    assert buf.getvalue().count("Fixes on the fitted workload") == 1

@@ -458,14 +458,39 @@ FIX_ROWS = (("KV usage max", "kv_max", "ratio"), ("time at a full KV cache", "kv
             ("unfinished at the end", "unfinished", "count"))
 
 
+def _fix_groups(fixes: list[dict], width: int) -> list[list[dict]]:
+    """The fixes in runs of columns that fit ``width`` beside the signal and the unfixed twin's columns.
+
+    A column takes its header or its widest figure ("preempting"), and two spaces before it (the table
+    draws one before its first column); at least one fix goes in each table however narrow the screen.
+    """
+    labels = [label for label, _, _ in FIX_ROWS] + ["regime"]
+    used = 1 + max(len(x) for x in labels) + 2 + len("unfixed twin")
+    groups: list[list[dict]] = [[]]
+    room = width - used
+    for fx in fixes:
+        w = 2 + max(len(fx["fix"]), len("preempting"))
+        if groups[-1] and w > room:
+            groups.append([])
+            room = width - used
+        groups[-1].append(fx)
+        room -= w
+    return groups
+
+
 def _print_fixes(out: Console, doc: dict) -> None:
-    t = terminal_table("Fixes on the fitted workload (per replica where replicas=N)")
-    identity_column(t, "signal", [label for label, _, _ in FIX_ROWS] + ["regime"], style="bold")
-    figure_column(t, "unfixed twin", justify="right")
-    for fx in doc["fixes"]:
-        figure_column(t, fx["fix"], justify="right")
-    for label, key, unit in FIX_ROWS:
-        t.add_row(label, _fmt(doc["simulated"].get(key), unit),
-                  *[_fmt(fx["simulated"].get(key), unit) for fx in doc["fixes"]])
-    t.add_row("regime", doc["fidelity"]["simulated_regime"], *[fx["regime"] for fx in doc["fixes"]])
-    out.print(t)
+    groups = _fix_groups(doc["fixes"], out.width)
+    for i, group in enumerate(groups):
+        title = "Fixes on the fitted workload (per replica where replicas=N)"
+        if len(groups) > 1:
+            title += f", {i + 1} of {len(groups)}"
+        t = terminal_table(title)
+        identity_column(t, "signal", [label for label, _, _ in FIX_ROWS] + ["regime"], style="bold")
+        figure_column(t, "unfixed twin", justify="right")
+        for fx in group:
+            figure_column(t, fx["fix"], justify="right")
+        for label, key, unit in FIX_ROWS:
+            t.add_row(label, _fmt(doc["simulated"].get(key), unit),
+                      *[_fmt(fx["simulated"].get(key), unit) for fx in group])
+        t.add_row("regime", doc["fidelity"]["simulated_regime"], *[fx["regime"] for fx in group])
+        out.print(t)
