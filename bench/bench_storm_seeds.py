@@ -7,6 +7,11 @@ criterion. Before printing, every run is checked to be whole: each request that
 arrived is a request row or counted unfinished.
 
     .venv/bin/python bench/bench_storm_seeds.py [--seeds 0-9] [--jobs 2] [--json]
+
+A variant of the scenario is measured the same way: --long-share (the long class's share of the
+long phase's requests), --preempt and --requeue (the scheduler's rules), --recompute-watermark-gib,
+and --cut-s (end both runs there: a shorter table, the same criteria). docs/storm-seeds.md gives the
+command line of each variant it reports.
 """
 
 from __future__ import annotations
@@ -17,12 +22,38 @@ import sys
 from multiprocessing import Pool
 
 
-def _run(job: tuple[int, str | None]) -> tuple[int, str | None, dict]:
+def _variant(v: dict):
+    """The overrides a variant asks for, applied to the engine and the workload of both runs."""
+    import dataclasses
+
+    def apply(cfg, workload) -> None:
+        sched = cfg.scheduler
+        if v.get("preempt"):
+            sched.policy = v["preempt"]
+        if v.get("requeue"):
+            sched.requeue = v["requeue"]
+        if v.get("recompute_watermark_gib") is not None:
+            sched.recompute_watermark_bytes = int(v["recompute_watermark_gib"] * 2**30)
+        sched.validate()
+        cut = v.get("cut_s")
+        if cut is not None:
+            workload.duration_s = min(workload.duration_s, cut)
+        phases = []
+        for p in workload.phases:
+            mix = tuple(dataclasses.replace(c, weight=v["long_share"]) if c.name == "long" and
+                        v.get("long_share") is not None else c for c in p.mix)
+            phases.append(dataclasses.replace(p, end_s=min(p.end_s, workload.duration_s), mix=mix))
+        workload.phases = phases
+
+    return apply
+
+
+def _run(job: tuple[int, str | None, dict]) -> tuple[int, str | None, dict]:
     from gpudiag import repro, storm_shape
     from gpudiag.reference_engine import scenarios
 
-    seed, fix = job
-    res = repro.run(scenarios.get("kv-eviction-storm"), fix, seed)
+    seed, fix, variant = job
+    res = repro.run(scenarios.get("kv-eviction-storm"), fix, seed, overrides=_variant(variant) if variant else None)
     storm_shape.check_complete(res)
     return seed, fix, storm_shape.measure_fixed(res) if fix else storm_shape.measure(res)
 
@@ -62,7 +93,30 @@ def main() -> int:
     ap.add_argument("--seeds", default="0-9", help="seeds, e.g. 0-9 or 0,3,7")
     ap.add_argument("--jobs", type=int, default=2, help="runs at once, one process each")
     ap.add_argument("--json", action="store_true", help="print the rows and the summary as JSON")
+    ap.add_argument("--long-share", type=float, help="the long class's weight against the short one's 1.0")
+    ap.add_argument("--preempt", help="the scheduler's preemption policy (lru, self, newest, priority)")
+    ap.add_argument("--requeue", help="where a preempted request goes back in the queue (head, fifo)")
+    ap.add_argument("--recompute-watermark-gib", type=float, help="KV memory a recompute must leave free")
+    ap.add_argument("--cut-s", type=float, help="end both runs at this simulated second")
     args = ap.parse_args()
+    variant = {k: getattr(args, k) for k in ("long_share", "preempt", "requeue", "recompute_watermark_gib", "cut_s")
+               if getattr(args, k) is not None}
+    if (args.long_share is not None and not 0 < args.long_share < 1) or \
+            (args.recompute_watermark_gib is not None and args.recompute_watermark_gib < 0) or \
+            (args.cut_s is not None and not args.cut_s > 4500):
+        print("--long-share must be in (0, 1), --recompute-watermark-gib >= 0, --cut-s after the long phase "
+              "(4500 s)", file=sys.stderr)
+        return 2
+    from gpudiag.errors import GpudiagError
+
+    try:
+        if variant:
+            from gpudiag.reference_engine import scenarios
+
+            _variant(variant)(*scenarios.get("kv-eviction-storm").build(None))
+    except GpudiagError as exc:  # an unknown policy or requeue: the scheduler's own message
+        print(f"bad variant: {exc}", file=sys.stderr)
+        return 2
     try:
         seeds = _seeds(args.seeds)
     except ValueError:
@@ -73,7 +127,7 @@ def main() -> int:
         return 2
     from gpudiag import storm_shape
 
-    jobs = [(s, fix) for s in seeds for fix in (None, "paged-kv")]
+    jobs = [(s, fix, variant) for s in seeds for fix in (None, "paged-kv")]
     rows = {s: {} for s in seeds}
     with Pool(args.jobs) as pool:
         for seed, _fix, got in pool.imap_unordered(_run, jobs):
@@ -88,8 +142,10 @@ def main() -> int:
     summary = {k: storm_shape.summary(table, k) for k in keys}
     held = {c: sum(r["verdicts"][c] for r in table) for c in table[0]["verdicts"]}
     if args.json:
-        print(json.dumps({"rows": table, "summary": summary, "seeds_holding": held}, indent=1))
+        print(json.dumps({"variant": variant, "rows": table, "summary": summary, "seeds_holding": held}, indent=1))
         return 0
+    if variant:
+        print("variant: " + ", ".join(f"{k} {v}" for k, v in variant.items()))
     print(" ".join(f"{h:>{max(len(h), 4)}}" for _, h, _ in COLUMNS) + "  failed")
     for r in table:
         failed = [c for c, ok in r["verdicts"].items() if not ok]

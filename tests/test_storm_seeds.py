@@ -75,7 +75,11 @@ def test_every_seed_has_the_field_reports_shape(ten_seeds):
     assert not any(failed.values()), failed
 
 
-@pytest.mark.parametrize("args,message", [(["--seeds", "a-b"], "bad --seeds"), (["--jobs", "0"], "--jobs must be")])
+@pytest.mark.parametrize("args,message", [(["--seeds", "a-b"], "bad --seeds"), (["--jobs", "0"], "--jobs must be"),
+                                          (["--preempt", "oldest"], "unknown preemption policy"),
+                                          (["--requeue", "tail"], "unknown requeue"),
+                                          (["--long-share", "1.5"], "--long-share must be in (0, 1)"),
+                                          (["--cut-s", "3000"], "after the long phase")])
 def test_the_seed_benchmark_refuses_arguments_it_cannot_use_in_one_line(args, message):
     import subprocess
     import sys
@@ -85,3 +89,25 @@ def test_the_seed_benchmark_refuses_arguments_it_cannot_use_in_one_line(args, me
     got = subprocess.run([sys.executable, str(bench), *args], capture_output=True, text=True, timeout=120)
     assert got.returncode == 2 and "Traceback" not in got.stderr
     assert message in got.stderr.strip().splitlines()[-1]
+
+
+def test_a_variant_of_the_seed_benchmark_changes_what_it_names_and_nothing_else():
+    import importlib.util
+    from pathlib import Path
+
+    from gpudiag.reference_engine import scenarios
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_storm_seeds", Path(__file__).resolve().parent.parent / "bench" / "bench_storm_seeds.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cfg, wl = scenarios.get("kv-eviction-storm").build(None)
+    before = [(p.name, p.start_s, p.end_s, [(c.name, c.weight) for c in p.mix]) for p in wl.phases]
+    bench._variant({"long_share": 0.0175, "preempt": "self", "requeue": "fifo", "recompute_watermark_gib": 2,
+                    "cut_s": 5400.0})(cfg, wl)
+    assert (cfg.scheduler.policy, cfg.scheduler.requeue) == ("self", "fifo")
+    assert cfg.scheduler.recompute_watermark_bytes == 2 * 2**30 and wl.duration_s == 5400.0
+    after = [(p.name, p.start_s, p.end_s, [(c.name, c.weight) for c in p.mix]) for p in wl.phases]
+    assert [a[:2] for a in after] == [b[:2] for b in before]
+    assert after[-1][2] == 5400.0 and after[1][2] == before[1][2]  # only the last phase is cut
+    assert dict(after[1][3]) == {"short": 1.0, "long": 0.0175} and dict(after[0][3]) == dict(before[0][3])

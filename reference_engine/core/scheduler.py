@@ -17,6 +17,25 @@ Preemption policies (victim among the running batch):
   ``preempted_req = self.running.pop()``): the last sequence to join the
   running batch, which may be the one that needs room (it then preempts
   itself). The batch keeps its oldest, largest sequences, which finish.
+- ``self``: the sequence that needs room preempts itself; no other running
+  sequence loses its KV. For contiguous KV grown by realloc: evicting
+  another sequence frees a region somewhere else, not room next to the one
+  that must grow, so the engine gives up the growing one and recomputes it
+  later.
+
+Re-queueing a preempted sequence (``requeue``):
+- ``head``: at the head of the waiting queue, before every other waiting
+  sequence (vLLM V1's ``self.waiting.prepend_request``): the one preempted
+  last comes back first.
+- ``fifo``: at the head, behind the sequences preempted before it: they come
+  back in the order they were preempted, so none waits behind a stream of
+  later ones.
+
+With ``recompute_watermark_bytes``, a preempted sequence is re-admitted only
+when the KV memory left free after its allocation is at least that much: the
+room new requests need for their first allocations is not taken back by
+recomputes (vLLM V0's block manager kept such a watermark, 1 % of the blocks,
+for every admission).
 
 With ``admit_while_preempting`` off, as in vLLM V1 (``if not preempted_reqs:``
 before it schedules the waiting queue), no waiting sequence is admitted in a
@@ -41,7 +60,8 @@ from gpudiag.errors import GpudiagError
 from gpudiag.reference_engine.core.kv_manager import KVManager
 from gpudiag.reference_engine.core.sequence import Sequence, Status
 
-POLICIES = ("lru", "priority", "newest")
+POLICIES = ("lru", "priority", "newest", "self")
+REQUEUE = ("head", "fifo")
 # How far into the waiting queue admission looks: far enough for every realistic queue of
 # sequences known not to fit, bounded so that a step's cost does not grow with a runaway queue.
 ADMISSION_SCAN = 1024
@@ -67,6 +87,10 @@ class SchedulerConfig:
     admission_lookahead: int = 16
     # False: a decode step that preempted holds admission until a decode step that did not (vLLM V1).
     admit_while_preempting: bool = True
+    # Where a preempted sequence goes in the waiting queue (REQUEUE; see the module's docstring).
+    requeue: str = "head"
+    # KV memory a re-admitted (preempted) sequence must leave free; 0: none.
+    recompute_watermark_bytes: int = 0
     # True: a prefill step is followed by a decode step of the running batch before the next prefill
     # (vLLM V1 schedules every running request first in each step, then waiting ones in the tokens
     # and KV left: running requests get their next blocks before new prompts take them).
@@ -76,6 +100,10 @@ class SchedulerConfig:
         """Raise GpudiagError on values no scheduler could run with."""
         if self.policy not in POLICIES:
             raise GpudiagError(f"unknown preemption policy {self.policy!r}; valid: {', '.join(POLICIES)}")
+        if self.requeue not in REQUEUE:
+            raise GpudiagError(f"unknown requeue {self.requeue!r}; valid: {', '.join(REQUEUE)}")
+        if self.recompute_watermark_bytes < 0:
+            raise GpudiagError("recompute_watermark_bytes cannot be negative")
         if self.batching not in BATCHING:
             raise GpudiagError(f"unknown batching {self.batching!r}; valid: {', '.join(BATCHING)}")
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
@@ -109,6 +137,10 @@ class Scheduler:
         # segments, a device synchronize) for nothing. Smaller ones still are.
         self._fail_floor_bytes = math.inf
         self._freed_since_fail = 0
+        # The same for preempted sequences held back by the recompute watermark: those needing >= this
+        # are not tried again until this much has been freed. New requests are not held to it.
+        self._recompute_floor_bytes = math.inf
+        self._freed_since_held = 0
         self.stats = StepStats()
         self._running_estimate = 0  # memory-aware: estimated final bytes of the running batch
         self._running_long = 0
@@ -126,7 +158,8 @@ class Scheduler:
         return itertools.islice(self.waiting, ADMISSION_SCAN)
 
     def _worth_trying(self, seq: Sequence) -> bool:
-        return self.kv.estimate_bytes(seq.num_tokens + 1) < self._fail_floor_bytes
+        need = self.kv.estimate_bytes(seq.num_tokens + 1)
+        return need < self._fail_floor_bytes and not (seq.preemptions and need >= self._recompute_floor_bytes)
 
     @property
     def admission_blocked(self) -> bool:
@@ -140,6 +173,9 @@ class Scheduler:
         self._freed_since_fail += nbytes
         if self._freed_since_fail >= self._fail_floor_bytes:
             self._fail_floor_bytes = math.inf
+        self._freed_since_held += nbytes
+        if self._freed_since_held >= self._recompute_floor_bytes:
+            self._recompute_floor_bytes = math.inf
 
     def can_admit(self) -> bool:
         """True when a prefill step could start now."""
@@ -153,6 +189,7 @@ class Scheduler:
         For an engine with nothing running: no free will come to lift the floor.
         """
         self._fail_floor_bytes = math.inf
+        self._recompute_floor_bytes = math.inf
 
     # -- prefill ---------------------------------------------------------------
     def schedule_prefill(self, now: float) -> list[Sequence]:
@@ -182,6 +219,14 @@ class Scheduler:
                     break  # strictly first come, first served: nothing passes a head that does not fit
                 skipped.append(self.waiting.popleft())
                 continue
+            if seq.preemptions and self._below_watermark(n + 1):
+                # Not an allocation failure (nothing was asked of the allocator): like one, this and any
+                # preempted sequence as large are tried again once that much memory has been freed.
+                self._recompute_floor_bytes = min(self._recompute_floor_bytes, self.kv.estimate_bytes(n + 1))
+                self._freed_since_held = 0
+                skipped.append(self.waiting.popleft())
+                attempts_failed += 1
+                continue
             failed = self.kv.allocate(seq, n + 1)
             if failed is not None:
                 self._note_failure(failed)
@@ -203,6 +248,12 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))  # they keep their places at the head
         self.running.extend(batch)
         return batch
+
+    def _below_watermark(self, tokens: int) -> bool:
+        """True when a sequence of ``tokens`` re-admitted now would leave less KV memory free than the
+        recompute watermark."""
+        w = self.cfg.recompute_watermark_bytes
+        return bool(w) and self.kv.capacity_bytes - self.kv.reserved_bytes - self.kv.estimate_bytes(tokens) < w
 
     def _estimate(self, seq: Sequence) -> int:
         return self.kv.estimate_bytes(seq.estimated_final_tokens)
@@ -251,6 +302,8 @@ class Scheduler:
             if not others:
                 return None
             return min(others, key=lambda s: (-s.tier, s.admitted_s, s.seq_id))
+        if self.cfg.policy == "self":
+            return None
         if self.cfg.policy == "newest":
             last = self.running[-1]  # admission order: preempted sequences rejoin at the end
             return None if last is needy else last
@@ -268,8 +321,14 @@ class Scheduler:
         self.running.remove(seq)
         self._track(seq, -1)
         seq.status = Status.WAITING
+        if self.cfg.requeue == "fifo":
+            # Behind the preempted sequences already at the head: each went in at the head, and
+            # admission puts those it passed over back at the head in their order.
+            at = next((i for i, q in enumerate(self.waiting) if not q.preemptions), len(self.waiting))
+            self.waiting.insert(at, seq)
+        else:
+            self.waiting.appendleft(seq)
         seq.preemptions += 1
-        self.waiting.appendleft(seq)
         self.stats.evictions += 1
 
     # -- completion --------------------------------------------------------------
