@@ -27,10 +27,6 @@ def pytest_collection_modifyitems(config, items):
     # test only in the outer session.
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     drops = {"interpreter_runner" if interpreted else "interpreter_only"}
-    # The storm's ten-seed shape is twenty two-hour runs (half an hour or more on one core): a run of
-    # its own (GPUDIAG_STORM_SEEDS=1, or bench/bench_storm_seeds.py), not part of every suite run.
-    if os.environ.get("GPUDIAG_STORM_SEEDS") != "1":
-        drops.add("storm_seeds")
     deselected = [it for it in items if drops & set(it.keywords)]
     if deselected:
         config.hook.pytest_deselected(items=deselected)
