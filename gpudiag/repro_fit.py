@@ -403,9 +403,14 @@ class Fitted:
         return f"fitted:{self.source}"
 
     @property
+    def pool_bytes(self) -> float:
+        """Bytes of KV pool the twin holds (as the simulated device sizes it, before any fix)."""
+        return _kv_pool_bytes(self.gpu, self.model, self.knobs, self.activation_bytes)
+
+    @property
     def pool_tokens(self) -> float:
-        """Tokens of KV the twin's pool holds (as the simulated device sizes it, before any fix)."""
-        return _kv_capacity_tokens(self.gpu, self.model, self.knobs, self.activation_bytes)
+        """Tokens of KV the twin's pool holds."""
+        return self.pool_bytes / MODELS[self.model].kv_bytes_per_token
 
 
 def fit(window: Window, *, gpu: str | None = None, model: str | None = None, serve_args: str | None = None,
@@ -507,10 +512,14 @@ def _room_bytes(group: str, model_key: str, knobs: Knobs) -> float:
     return gpu_specs.SPECS[group].memory_bytes * knobs.gpu_memory_utilization - MODELS[model_key].weight_bytes
 
 
+def _kv_pool_bytes(group: str, model_key: str, knobs: Knobs, activation_bytes: int) -> float:
+    """Bytes of KV pool, as :func:`engine`'s layout sizes it on the simulated device."""
+    return max(0.0, _room_bytes(group, model_key, knobs) - activation_bytes)
+
+
 def _kv_capacity_tokens(group: str, model_key: str, knobs: Knobs, activation_bytes: int) -> float:
     """Tokens of KV the pool holds, as :func:`engine`'s layout sizes it on the simulated device."""
-    pool = _room_bytes(group, model_key, knobs) - activation_bytes
-    return max(0.0, pool) / MODELS[model_key].kv_bytes_per_token
+    return _kv_pool_bytes(group, model_key, knobs, activation_bytes) / MODELS[model_key].kv_bytes_per_token
 
 
 def _size_pool(knobs: Knobs, obs: Observed, group: str, model_key: str,
@@ -921,7 +930,7 @@ def candidate_fixes(f: Fitted, res) -> list[Candidate]:
                                      f"cache was full; a batch capped there fits the pool"))
         out.append(Candidate("replicas=2", f"{why}: half the traffic per replica halves the KV each pool holds"))
         if not f.knobs.kv_offload:
-            gib = max(1, math.ceil(f.pool_tokens * MODELS[f.model].kv_bytes_per_token / GIB))
+            gib = max(1, math.ceil(f.pool_bytes / GIB))
             out.append(Candidate(f"kv-offload={gib}", f"{why}: a preempted request's KV loaded back from host "
                                  f"memory instead of recomputed; {gib} GiB (the device pool's size) holds every "
                                  f"request the pool can preempt, and is host memory the node must have free"))

@@ -480,7 +480,7 @@ def test_kv_offload_loads_preempted_kv_back_instead_of_recomputing_it(tmp_path, 
     with pytest.raises(GpudiagError, match="already on"):
         repro_fit.parse_fix("kv-offload=64", f_on)
     # The findings propose it where offload is off, sized as the device pool; never where it is on.
-    pool_gib = math.ceil(f.pool_tokens * repro_fit.MODELS[f.model].kv_bytes_per_token / 2**30)
+    pool_gib = math.ceil(f.pool_bytes / 2**30)
     assert f"kv-offload={pool_gib}" in [c.fix for c in repro_fit.candidate_fixes(f, base)]
     assert 100 <= pool_gib <= 130  # 769k tokens of a 70B's FP8 KV
     on_res = repro.run(repro_fit.scenario(f_on), None, 0)

@@ -11,11 +11,11 @@ MIB = 1024**2
 BYTES_PER_TOKEN = 128 * 1024
 
 
-def _scheduler(pool_tokens: int) -> Scheduler:
+def _scheduler(pool_tokens: int, **cfg) -> Scheduler:
     mem = DeviceMemory(4 * pool_tokens * BYTES_PER_TOKEN)
     kv = make_kv_manager(KVConfig(strategy="paged", block_size=16), CachingAllocator(mem, "engine"),
                          BYTES_PER_TOKEN, pool_tokens * BYTES_PER_TOKEN)
-    return Scheduler(SchedulerConfig(admission_lookahead=4), kv)
+    return Scheduler(SchedulerConfig(**{"admission_lookahead": 4, **cfg}), kv)
 
 
 def test_long_recomputes_that_cannot_get_memory_do_not_hold_back_the_short_requests_behind_them():
@@ -84,15 +84,8 @@ def _full(sched: Scheduler, n: int = 3) -> list[Sequence]:
     return seqs
 
 
-def _pool(pool_tokens: int, **cfg) -> Scheduler:
-    mem = DeviceMemory(4 * pool_tokens * BYTES_PER_TOKEN)
-    kv = make_kv_manager(KVConfig(strategy="paged", block_size=16), CachingAllocator(mem, "engine"),
-                         BYTES_PER_TOKEN, pool_tokens * BYTES_PER_TOKEN)
-    return Scheduler(SchedulerConfig(**cfg), kv)
-
-
 def test_under_self_the_sequence_that_cannot_grow_is_the_one_preempted():
-    sched = _pool(1024, policy="self")
+    sched = _scheduler(1024, policy="self")
     old, mid, new = _full(sched)
     sched.prepare_decode(6.0)
     # The oldest takes the pool's last free block; the next finds none and gives up its own KV, and
@@ -100,7 +93,7 @@ def test_under_self_the_sequence_that_cannot_grow_is_the_one_preempted():
     assert mid.status is Status.WAITING and mid.preemptions == 1
     assert old.status is new.status is Status.RUNNING
     assert sched.stats.evictions == 1
-    lru = _pool(1024)
+    lru = _scheduler(1024)
     old, mid, new = _full(lru)
     lru.prepare_decode(6.0)
     assert old.status is Status.WAITING and mid.status is new.status is Status.RUNNING
@@ -108,7 +101,7 @@ def test_under_self_the_sequence_that_cannot_grow_is_the_one_preempted():
 
 def test_fifo_requeue_brings_preempted_sequences_back_in_the_order_they_were_preempted():
     for requeue, expected in (("fifo", [0, 1, 2]), ("head", [2, 1, 0])):
-        sched = _pool(4096, policy="self", requeue=requeue)
+        sched = _scheduler(4096, policy="self", requeue=requeue)
         seqs = [Sequence(i, 0.0, prompt_tokens=100, max_output_tokens=50) for i in range(3)]
         arrival = Sequence(9, 1.0, prompt_tokens=100, max_output_tokens=50)
         for s in seqs:
@@ -124,7 +117,7 @@ def test_the_recompute_watermark_keeps_room_for_new_requests():
     """A preempted sequence is re-admitted only while the watermark stays free after it; a new request
     is not held to it, and the held one is not counted as an allocation failure."""
     block = 16 * BYTES_PER_TOKEN
-    sched = _pool(1024, recompute_watermark_bytes=20 * block, admission_lookahead=4)
+    sched = _scheduler(1024, recompute_watermark_bytes=20 * block)
     resident = Sequence(0, 0.0, prompt_tokens=600, max_output_tokens=100)  # 38 of the 64 blocks
     sched.add(resident)
     assert sched.schedule_prefill(0.0) == [resident]

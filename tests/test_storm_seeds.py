@@ -86,6 +86,7 @@ def test_every_seed_has_the_field_reports_shape(ten_seeds):
                                           (["--preempt", "oldest"], "unknown preemption policy"),
                                           (["--requeue", "tail"], "unknown requeue"),
                                           (["--long-share", "1.5"], "--long-share must be in (0, 1)"),
+                                          (["--recompute-watermark-gib", "-1"], "--recompute-watermark-gib >= 0"),
                                           (["--cut-s", "3000"], "after the long phase")])
 def test_the_seed_benchmark_refuses_arguments_it_cannot_use_in_one_line(args, message):
     import subprocess

@@ -112,6 +112,27 @@ class SchedulerConfig:
             raise GpudiagError("memory_watermark must be in (0, 1]")
 
 
+class _Floor:
+    """After a request of S bytes could not be had, requests of S bytes or more are not tried again until
+    S bytes have been freed (each try would fail the same way)."""
+
+    __slots__ = ("bytes", "freed")
+
+    def __init__(self):
+        self.bytes, self.freed = math.inf, 0
+
+    def hold(self, nbytes: int) -> None:
+        self.bytes, self.freed = min(self.bytes, nbytes), 0
+
+    def release(self, nbytes: int) -> None:
+        self.freed += nbytes
+        if self.freed >= self.bytes:
+            self.bytes = math.inf
+
+    def clear(self) -> None:
+        self.bytes = math.inf
+
+
 @dataclass
 class StepStats:
     """What the last scheduling decision did to memory."""
@@ -135,12 +156,10 @@ class Scheduler:
         # are not tried again until S bytes have been freed: each failed try
         # runs the allocator's expensive retry path (cudaFree of cached
         # segments, a device synchronize) for nothing. Smaller ones still are.
-        self._fail_floor_bytes = math.inf
-        self._freed_since_fail = 0
+        self._failed = _Floor()
         # The same for preempted sequences held back by the recompute watermark: those needing >= this
         # are not tried again until this much has been freed. New requests are not held to it.
-        self._recompute_floor_bytes = math.inf
-        self._freed_since_held = 0
+        self._held = _Floor()
         self.stats = StepStats()
         self._running_estimate = 0  # memory-aware: estimated final bytes of the running batch
         self._running_long = 0
@@ -159,7 +178,7 @@ class Scheduler:
 
     def _worth_trying(self, seq: Sequence) -> bool:
         need = self.kv.estimate_bytes(seq.num_tokens + 1)
-        return need < self._fail_floor_bytes and not (seq.preemptions and need >= self._recompute_floor_bytes)
+        return need < self._failed.bytes and not (seq.preemptions and need >= self._held.bytes)
 
     @property
     def admission_blocked(self) -> bool:
@@ -170,12 +189,8 @@ class Scheduler:
         return bool(self.waiting) and not any(self._worth_trying(s) for s in self._candidates())
 
     def _freed(self, nbytes: int) -> None:
-        self._freed_since_fail += nbytes
-        if self._freed_since_fail >= self._fail_floor_bytes:
-            self._fail_floor_bytes = math.inf
-        self._freed_since_held += nbytes
-        if self._freed_since_held >= self._recompute_floor_bytes:
-            self._recompute_floor_bytes = math.inf
+        self._failed.release(nbytes)
+        self._held.release(nbytes)
 
     def can_admit(self) -> bool:
         """True when a prefill step could start now."""
@@ -188,8 +203,8 @@ class Scheduler:
 
         For an engine with nothing running: no free will come to lift the floor.
         """
-        self._fail_floor_bytes = math.inf
-        self._recompute_floor_bytes = math.inf
+        self._failed.clear()
+        self._held.clear()
 
     # -- prefill ---------------------------------------------------------------
     def schedule_prefill(self, now: float) -> list[Sequence]:
@@ -222,16 +237,14 @@ class Scheduler:
             if seq.preemptions and self._below_watermark(n + 1):
                 # Not an allocation failure (nothing was asked of the allocator): like one, this and any
                 # preempted sequence as large are tried again once that much memory has been freed.
-                self._recompute_floor_bytes = min(self._recompute_floor_bytes, self.kv.estimate_bytes(n + 1))
-                self._freed_since_held = 0
+                self._held.hold(self.kv.estimate_bytes(n + 1))
                 skipped.append(self.waiting.popleft())
                 attempts_failed += 1
                 continue
             failed = self.kv.allocate(seq, n + 1)
             if failed is not None:
                 self._note_failure(failed)
-                self._fail_floor_bytes = min(self._fail_floor_bytes, failed)
-                self._freed_since_fail = 0
+                self._failed.hold(failed)
                 skipped.append(self.waiting.popleft())
                 attempts_failed += 1
                 continue
