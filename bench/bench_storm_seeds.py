@@ -10,7 +10,8 @@ arrived is a request row or counted unfinished.
 
 A variant of the scenario is measured the same way: --long-share (the long class's share of the
 long phase's requests), --preempt and --requeue (the scheduler's rules), --recompute-watermark-gib,
-and --cut-s (end both runs there: a shorter table, the same criteria). docs/storm-seeds.md gives the
+--alloc-retry-ms (the host time of one allocation retry, which bench/alloc_gpu.py measures on a
+GPU) and --cut-s (end both runs there: a shorter table, the same criteria). docs/storm-seeds.md gives the
 command line of each variant it reports.
 """
 
@@ -35,6 +36,8 @@ def _variant(v: dict):
         if v.get("recompute_watermark_gib") is not None:
             sched.recompute_watermark_bytes = int(v["recompute_watermark_gib"] * 2**30)
         sched.validate()
+        if v.get("alloc_retry_ms") is not None:
+            cfg.cost.alloc_retry_s = v["alloc_retry_ms"] / 1e3
         cut = v.get("cut_s")
         if cut is not None:
             workload.duration_s = min(workload.duration_s, cut)
@@ -79,6 +82,7 @@ COLUMNS = [  # (key, header, format)
     ("util_min_during", "util min", "{:>8.2f}"),
     ("util_max_during", "util max", "{:>8.3f}"),
     ("evictions_during", "evict", "{:>6d}"),
+    ("alloc_retries_max_per_s", "retry/s", "{:>7.0f}"),
     ("paged_tpot_p999_ratio", "paged999 x", "{:>10.2f}"),
 ]
 
@@ -98,14 +102,18 @@ def main() -> int:
     ap.add_argument("--requeue", help="where a preempted request goes back in the queue (head, fifo)")
     ap.add_argument("--recompute-watermark-gib", type=float, help="KV memory a recompute must leave free")
     ap.add_argument("--cut-s", type=float, help="end both runs at this simulated second")
+    ap.add_argument("--alloc-retry-ms", type=float,
+                    help="host time of one allocation retry (CostModel.alloc_retry_s, in milliseconds)")
     args = ap.parse_args()
-    variant = {k: getattr(args, k) for k in ("long_share", "preempt", "requeue", "recompute_watermark_gib", "cut_s")
+    variant = {k: getattr(args, k) for k in ("long_share", "preempt", "requeue", "recompute_watermark_gib", "cut_s",
+                                                "alloc_retry_ms")
                if getattr(args, k) is not None}
     if (args.long_share is not None and not 0 < args.long_share < 1) or \
             (args.recompute_watermark_gib is not None and args.recompute_watermark_gib < 0) or \
-            (args.cut_s is not None and not args.cut_s > 4500):
+            (args.cut_s is not None and not args.cut_s > 4500) or \
+            (args.alloc_retry_ms is not None and not args.alloc_retry_ms >= 0):
         print("--long-share must be in (0, 1), --recompute-watermark-gib >= 0, --cut-s after the long phase "
-              "(4500 s)", file=sys.stderr)
+              "(4500 s), --alloc-retry-ms >= 0", file=sys.stderr)
         return 2
     from gpudiag.errors import GpudiagError
 

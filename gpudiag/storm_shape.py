@@ -101,6 +101,7 @@ def measure(res: repro.RunResult, paged: repro.RunResult | None = None) -> dict[
         "host_cpu_max_during": during["host_cpu_max"],
         "evictions_during": during["evictions"],
         "alloc_failures_during": during["alloc_failures"],
+        "alloc_retries_max_per_s": _max_retries_per_s(res, long_phase),
     }
     if paged is not None:
         out.update(measure_fixed(paged))
@@ -113,6 +114,22 @@ def measure_fixed(paged: repro.RunResult) -> dict[str, Any]:
     before = next(p for p in doc["phases"] if p["name"] == "before")
     return {"paged_evictions": doc["totals"]["evictions"], "paged_alloc_failures": doc["totals"]["alloc_failures"],
             "paged_tpot_p999_ratio": _ratio(doc["slo"]["tpot_p999_s"], before["slo"]["tpot_p99_s"])}
+
+
+def _max_retries_per_s(res: repro.RunResult, long_phase: tuple[float, float]) -> float | None:
+    """The most allocation retries (cache flushes after a failed cudaMalloc) of one second of the long phase.
+
+    Each retry synchronizes the device and runs driver calls on the host: the busiest second shows what
+    a retry would have to cost for the retries alone to idle the GPU to :data:`UTIL_DIP_MAX`.
+    """
+    proc = res.window.table("process")
+    if proc.empty or M.process_torch_alloc_retries_total not in proc:
+        return None
+    proc = proc.sort_values("t")
+    t = proc["t"].to_numpy(float)
+    per_s = np.diff(proc[M.process_torch_alloc_retries_total].to_numpy(float))
+    sel = (t[1:] > long_phase[0]) & (t[1:] <= long_phase[1])
+    return float(per_s[sel].max()) if sel.any() else None
 
 
 def check_complete(res: repro.RunResult) -> None:

@@ -4,6 +4,7 @@ end to end on the CPU."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -129,3 +130,25 @@ def test_the_ebpf_benchmark_stops_when_the_call_loop_does_not_run_what_it_was_as
     res = subprocess.run([sys.executable, str(BENCH_EBPF), "--calls", "0"], capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 2 and "--calls and --runs must be at least 1" in res.stderr
+
+
+ALLOC_GPU = Path(__file__).resolve().parent.parent / "bench" / "alloc_gpu.py"
+
+
+def test_the_allocator_benchmark_checks_its_arithmetic_and_refuses_a_changed_allocator():
+    got = subprocess.run([sys.executable, str(ALLOC_GPU), "--cpu-selftest"], capture_output=True, text=True,
+                         timeout=120)
+    assert got.returncode == 0 and "self-test passed" in got.stdout, got.stdout + got.stderr
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    got = subprocess.run([sys.executable, str(ALLOC_GPU)], capture_output=True, text=True, timeout=120, env=env)
+    assert got.returncode == 2 and "Traceback" not in got.stderr
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True changes the allocator" in got.stderr.strip()
+
+
+def test_the_allocator_benchmark_says_it_needs_a_gpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is here: the benchmark would measure it, which is bench/alloc_gpu.py's job")
+    got = subprocess.run([sys.executable, str(ALLOC_GPU)], capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0 and "needs a CUDA GPU" in got.stdout, got.stdout + got.stderr

@@ -8,7 +8,7 @@ the same figures as a table.
 
 import pytest
 
-from gpudiag import storm_shape
+from gpudiag import repro, storm_shape
 from gpudiag.reference_engine import scenarios
 
 SEEDS = range(10)
@@ -31,6 +31,14 @@ def test_the_queue_drain_is_measured_from_the_long_phases_end_against_the_calm_q
     assert drain is not None and 0 < drain <= storm_shape.QUEUE_DRAIN_MAX_S
     # A phase that ends at the run's end leaves no time to drain: not measured as drained.
     assert storm_shape.queue_drain_s(res, (scenarios.STORM_LONG_PHASE[0], res.window.end_s - 1)) in (None, 0.0)
+
+
+def test_the_busiest_seconds_allocation_retries_are_counted_and_paged_kv_has_none(scenario_run):
+    res = scenario_run("kv-eviction-storm")
+    row = storm_shape.measure(res)
+    total = repro.document(res)["totals"]["num_alloc_retries"]
+    assert 1 <= row["alloc_retries_max_per_s"] <= total, (row["alloc_retries_max_per_s"], total)
+    assert storm_shape.measure(scenario_run("kv-eviction-storm", "paged-kv"))["alloc_retries_max_per_s"] == 0
 
 
 def test_a_run_missing_requests_is_refused_by_the_completeness_check(scenario_run):
@@ -87,7 +95,8 @@ def test_every_seed_has_the_field_reports_shape(ten_seeds):
                                           (["--requeue", "tail"], "unknown requeue"),
                                           (["--long-share", "1.5"], "--long-share must be in (0, 1)"),
                                           (["--recompute-watermark-gib", "-1"], "--recompute-watermark-gib >= 0"),
-                                          (["--cut-s", "3000"], "after the long phase")])
+                                          (["--cut-s", "3000"], "after the long phase"),
+                                          (["--alloc-retry-ms", "-2"], "--alloc-retry-ms >= 0")])
 def test_the_seed_benchmark_refuses_arguments_it_cannot_use_in_one_line(args, message):
     import subprocess
     import sys
@@ -100,6 +109,7 @@ def test_the_seed_benchmark_refuses_arguments_it_cannot_use_in_one_line(args, me
 
 
 def test_a_variant_of_the_seed_benchmark_changes_what_it_names_and_nothing_else():
+    import dataclasses
     import importlib.util
     from pathlib import Path
 
@@ -111,9 +121,11 @@ def test_a_variant_of_the_seed_benchmark_changes_what_it_names_and_nothing_else(
     spec.loader.exec_module(bench)
     cfg, wl = scenarios.get("kv-eviction-storm").build(None)
     before = [(p.name, p.start_s, p.end_s, [(c.name, c.weight) for c in p.mix]) for p in wl.phases]
+    cost_before = dataclasses.asdict(cfg.cost)
     bench._variant({"long_share": 0.0175, "preempt": "self", "requeue": "fifo", "recompute_watermark_gib": 2,
-                    "cut_s": 5400.0})(cfg, wl)
+                    "cut_s": 5400.0, "alloc_retry_ms": 30.0})(cfg, wl)
     assert (cfg.scheduler.policy, cfg.scheduler.requeue) == ("self", "fifo")
+    assert dataclasses.asdict(cfg.cost) == {**cost_before, "alloc_retry_s": 0.030}
     assert cfg.scheduler.recompute_watermark_bytes == 2 * 2**30 and wl.duration_s == 5400.0
     after = [(p.name, p.start_s, p.end_s, [(c.name, c.weight) for c in p.mix]) for p in wl.phases]
     assert [a[:2] for a in after] == [b[:2] for b in before]
