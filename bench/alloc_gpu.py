@@ -50,7 +50,7 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernels_gpu import Report, log  # noqa: E402
+from kernels_gpu import Report, engine_package, log  # noqa: E402
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -344,9 +344,11 @@ def idle_from_retries(report: Report, torch, dev, deadline: float, index: int) -
 
 def compare(report: Report, measured: dict[str, float]) -> None:
     try:
+        engine_package()
         from gpudiag.reference_engine.sim.sim_gpu import CostModel
         model = CostModel()
-    except Exception:  # noqa: BLE001 -- the package is not installed: print the measured side only
+    except Exception as exc:  # noqa: BLE001 -- print the measured side alone
+        log(f"cost model: not importable ({type(exc).__name__}: {exc}); the measured figures alone")
         model = None
     rows = []
     for key, value in measured.items():

@@ -72,10 +72,10 @@ def log(msg: str = "") -> None:
     print(f"[{time.monotonic() - START_S:6.1f}s] {msg}", flush=True)
 
 
-def import_engine():
-    """The engine's modules, from the installed package or, failing that, from this checkout."""
+def engine_package() -> None:
+    """Make ``gpudiag.reference_engine`` importable: installed, or else from this checkout."""
     try:
-        import gpudiag.reference_engine.model.kernels.paged_attention
+        import gpudiag.reference_engine  # noqa: F401
     except ImportError:
         root = Path(__file__).resolve().parents[1]
         sys.path.insert(0, str(root))  # the core package gpudiag/ lives at the top of the checkout
@@ -88,6 +88,11 @@ def import_engine():
         sys.modules["gpudiag.reference_engine"] = pkg
         spec.loader.exec_module(pkg)
         gpudiag.reference_engine = pkg
+
+
+def import_engine():
+    """The engine's modules, from the installed package or, failing that, from this checkout."""
+    engine_package()
     from gpudiag.reference_engine.model.kernels import paged_attention, prefill_attention, rmsnorm
     from gpudiag.reference_engine.sim import gpu_specs
 
