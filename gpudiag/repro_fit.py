@@ -11,7 +11,10 @@
 - arrivals over time, one rate a minute: from request rows where the window has them, else from the
   engine's counters (requests finished plus the change of those running and waiting);
 - prompt and output lengths: from request rows (a log-normal fit), else the means of the engine's
-  prompt and generation token counters over five-minute spans, with the spread assumed (and said so).
+  prompt and generation token counters over five-minute spans, with the spread assumed (and said so);
+- the prompt tokens the window's prefix cache served (its hits over its lookups, a share a minute):
+  the twin does not prefill that share of a request's prompt when it is first admitted. A conversation's next turn repeats the turns before it; while the cache has room
+  the window serves most of it from there, and at a full cache almost none.
 
 What the simulator cannot describe it refuses, naming what is missing (:class:`NotDescribable`):
 no GPU name, an unknown or mixture-of-experts model, no token counts, no engine series.
@@ -371,6 +374,8 @@ class Bin:
     qps: float
     prompt_mean: float
     output_mean: float
+    # Share of the prompt tokens the window's prefix cache served (not prefilled) in this minute.
+    reused_share: float = 0.0
 
 
 @dataclass
@@ -432,9 +437,6 @@ def fit(window: Window, *, gpu: str | None = None, model: str | None = None, ser
     if knobs.chunked_prefill:
         notes.append("chunked prefill is on: the simulator prefills whole prompts, up to "
                      "max-num-batched-tokens a step")
-    if knobs.prefix_caching:
-        notes.append("prefix caching is on: the twin's requests repeat no content, so it runs without one and "
-                     "prefills every prompt (its speed is calibrated on that work)")
     if knobs.kv_offload_bytes:
         notes.append(f"KV offload is on: the twin keeps a host KV tier of {knobs.kv_offload_bytes / GIB:g} GiB and "
                      "loads a preempted request's blocks back over PCIe instead of recomputing them; the blocks of "
@@ -467,6 +469,9 @@ def fit(window: Window, *, gpu: str | None = None, model: str | None = None, ser
         lengths_from = arrivals_from = "engine counters"
         notes.append(f"lengths from token counters: their means per {LENGTH_BIN_S:g} s; prompt spread assumed "
                      f"(log-normal sigma {ASSUMED_SIGMA}); output spread {how}")
+    reuse_note = _fit_reuse(obs, bins)
+    if reuse_note:
+        notes.append(reuse_note)
     clients = _closed_loop_clients(obs)
     if clients:
         notes.append(f"closed loop: {clients} requests in the engine (running plus waiting) through the window, "
@@ -485,6 +490,32 @@ def fit(window: Window, *, gpu: str | None = None, model: str | None = None, ser
         lengths_from=lengths_from, arrivals_from=arrivals_from,
         max_model_len=_max_model_len(model_key), activation_bytes=activation, speed_factor=speed,
         clients=clients, observed=summarize_observed(obs, duration), notes=notes + [pool_note])
+
+
+def _fit_reuse(obs: Observed, bins: list[Bin]) -> str | None:
+    """Set each minute's share of prompt tokens the window's prefix cache served; a note, or None when
+    the window shows no lookups.
+
+    The share is the GPU prefix cache's hits over its lookups in the minute (lookups also count
+    re-admitted preempted requests' prompts). The twin applies it to a request's first admission only:
+    a preempted one is recomputed, or loaded from the twin's own host tier, so a KV connector's hits
+    (vLLM's external prefix cache: CPU offload, a shared store) are left to that tier and not replayed.
+    It replays what the window's cache served, not what the twin's would: a fix that changes the
+    cache's room changes how much is served in the real engine and not here.
+    """
+    if np.all(np.isnan(obs.prefix_queries)) or np.all(np.isnan(obs.prefix_hits)):
+        return None
+    t = obs.t
+    for b in bins:
+        q = _increase(t, obs.prefix_queries, b.start_s, b.end_s)
+        hits = _increase(t, obs.prefix_hits, b.start_s, b.end_s)
+        b.reused_share = min(1.0, max(0.0, hits / q)) if q > 0 else 0.0
+    shares = [b.reused_share for b in bins]
+    if max(shares) <= 0:
+        return "prefix cache: no prompt token was served from it in the window; the twin prefills every prompt"
+    return (f"prefix cache: {min(shares):.0%} to {max(shares):.0%} of the prompt tokens looked up were served "
+            f"from it, minute by minute; the twin does not prefill that share of a request's prompt at its "
+            f"first admission (it replays what the window's cache served, not what its own would)")
 
 
 # A window is a closed loop when the requests in the engine (running plus waiting) stay at one count:
@@ -625,10 +656,10 @@ def _speed_factor(obs: Observed, duration: float, group: str, model_key: str,
     roofline (CostModel, the twin's own) charges those a GPU time g and host time h; the engine took
     the whole minute, so the factor is (1 - h) / g (median over the minutes). 1 without such minutes.
 
-    The prompt work is the twin's own: every prompt token (the twin's requests share no prefix, so it
-    prefills what the window's prefix cache served), plus a recompute of ``recompute_tokens`` per
-    preemption (vLLM V1's prompt counter leaves recompute out). The factor then makes the twin spend the
-    window's time on the window's load, whatever part of it the real engine saved by caching.
+    The prompt work is the prompt tokens less those the window's prefix cache served (the twin skips
+    the same share, :func:`_fit_reuse`), plus a recompute of ``recompute_tokens`` per preemption (vLLM
+    V1's prompt counter leaves recompute out). The factor then makes the twin spend the window's time on
+    the window's load.
     """
     from gpudiag.reference_engine.sim.sim_gpu import CostModel
 
@@ -640,7 +671,8 @@ def _speed_factor(obs: Observed, duration: float, group: str, model_key: str,
         if sel.sum() < 2 or np.nanmin(obs.running[sel]) < 1:
             continue
         g_rate = _increase(obs.t, obs.generation_tokens, a, b) / SPEED_SPAN_S
-        p_rate = (_increase(obs.t, obs.prompt_tokens, a, b)
+        served = _increase(obs.t, np.nan_to_num(obs.prefix_hits), a, b)
+        p_rate = (max(0.0, _increase(obs.t, obs.prompt_tokens, a, b) - served)
                   + _increase(obs.t, obs.preemptions, a, b) * recompute_tokens) / SPEED_SPAN_S
         r = float(np.nanmean(obs.running[sel]))
         u = float(np.nanmean(obs.kv[sel]))
@@ -785,7 +817,7 @@ class FittedWorkload(Workload):
             at = np.sort(rng.uniform(lo, hi, n))
             prompt = _draw(rng, b.prompt_mean, f.sigma_prompt, n, cap)
             output = _draw(rng, b.output_mean, f.sigma_output, n, cap)
-            seqs.extend(Sequence(0, float(t), int(p), int(o), 1, "fitted") for t, p, o in zip(at, prompt, output))
+            seqs.extend(_request(float(t), int(p), int(o), b) for t, p, o in zip(at, prompt, output))
         seqs.sort(key=lambda s: s.arrival_s)
         if self.clients:
             seqs = self._closed(rng, seqs, cap)
@@ -801,13 +833,20 @@ class FittedWorkload(Workload):
         f, n = self.fitted, self.clients
         extra = max(n, len(seqs) // 2)
         b = f.bins[-1]
-        seqs += [Sequence(0, math.inf, int(p), int(o), 1, "fitted") for p, o in
+        seqs += [_request(math.inf, int(p), int(o), b) for p, o in
                  zip(_draw(rng, b.prompt_mean, f.sigma_prompt, extra, cap),
                      _draw(rng, b.output_mean, f.sigma_output, extra, cap))]
         for i, s in enumerate(seqs):
             s.arrival_s = float(rng.uniform(0.0, min(1.0, f.duration_s))) if i < n else math.inf
         head = sorted(seqs[:n], key=lambda s: s.arrival_s)
         return head + seqs[n:]
+
+
+def _request(arrival_s: float, prompt: int, output: int, b: Bin) -> Sequence:
+    """A request of minute ``b``: its lengths, and the share of its prompt the window's cache served."""
+    seq = Sequence(0, arrival_s, prompt, output, 1, "fitted")
+    seq.reused_tokens = int(b.reused_share * prompt)
+    return seq
 
 
 def _draw(rng, mean: float, sigma: float, n: int, cap: int) -> np.ndarray:
@@ -833,7 +872,8 @@ def engine(f: Fitted) -> EngineConfig:
         gpu=f.gpu, model=f.model,
         # The twin's requests repeat no content (a fit sees how many tokens the cache served, not which):
         # a prefix cache would hold only preempted requests' own blocks. Left off, the twin recomputes
-        # them, as the windows of vLLM at a full cache show (their hit ratio falls to about 1 %).
+        # them, as the windows of vLLM at a full cache show (their hit ratio falls to about 1 %); what the
+        # window's cache served at first admission is replayed per request (``reused_tokens``).
         kv=KVConfig(strategy="paged", block_size=k.block_size, prefix_caching=False, max_model_len=f.max_model_len,
                     offload_bytes=k.kv_offload_bytes),
         # vLLM V1's scheduler (vllm/v1/core/sched/scheduler.py, FCFS): a step schedules every running
@@ -1117,8 +1157,9 @@ def save(f: Fitted, path: str) -> None:
     lines += [f"{k} = {_toml_value(v)}" for k, v in sources.items()]
     lines.append("\n[observed]")
     lines += [f"{k} = {_toml_value(v)}" for k, v in f.observed.items() if v is not None]
-    lines.append("\n[arrivals]  # one row a minute: start, end (s), requests/s, mean prompt and output tokens")
-    for name in ("start_s", "end_s", "qps", "prompt_mean", "output_mean"):
+    lines.append("\n[arrivals]  # one row a minute: start, end (s), requests/s, mean prompt and output tokens, "
+                 "share of prompt tokens served from the window's prefix cache")
+    for name in ("start_s", "end_s", "qps", "prompt_mean", "output_mean", "reused_share"):
         lines.append(f"{name} = {_toml_value([round(getattr(b, name), 4) for b in f.bins])}")
     Path(path).write_text("\n".join(lines) + "\n")
 
@@ -1138,7 +1179,8 @@ def load(path: str) -> Fitted:
         sources = kd.pop("sources", {})
         knobs = Knobs(**kd, sources=sources)
         a = d["arrivals"]
-        bins = [Bin(*row) for row in zip(a["start_s"], a["end_s"], a["qps"], a["prompt_mean"], a["output_mean"])]
+        bins = [Bin(*row) for row in zip(a["start_s"], a["end_s"], a["qps"], a["prompt_mean"], a["output_mean"],
+                                         a.get("reused_share", [0.0] * len(a["start_s"])))]
         model_key = resolve_model(d["model"])
         base_gpu = re.sub(r"(-fp4)?(x\d+)?$", "", d["gpu"])
         gpu = group_gpu(resolve_gpu(base_gpu), knobs.tensor_parallel_size, model_key)
@@ -1154,6 +1196,8 @@ def load(path: str) -> Fitted:
         raise GpudiagError(f"{path}: a fitted scenario with a missing or bad field ({exc})") from None
     if not bins or any(b.qps < 0 or b.end_s <= b.start_s for b in bins) or not f.duration_s > 0:
         raise GpudiagError(f"{path}: arrivals must be minutes of non-negative rates inside a positive duration")
+    if any(not 0.0 <= b.reused_share <= 1.0 for b in bins):
+        raise GpudiagError(f"{path}: reused_share must be a share of prompt tokens, from 0 to 1")
     for key in ("gpu_util_mean", "prefix_hit_ratio", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s"):
         f.observed.setdefault(key, None)
     return f

@@ -151,6 +151,26 @@ def test_the_fit_reads_the_run_as_it_was_served(tmp_path, runs):
     assert any("spread" in n for n in f.notes) and any("calibrated" in n for n in f.notes)
 
 
+@needs_real
+def test_what_the_windows_prefix_cache_served_is_not_prefilled_by_the_twin(tmp_path, runs):
+    """InferenceX's multi-turn clients repeat the conversation so far: vLLM served 87-88 % of the prompt
+    tokens it looked up from its prefix cache in minutes 1-3 and 1-3 % once the cache was full. The twin
+    takes each minute's share and does not prefill it at a request's first admission."""
+    r = runs["tp1_bs256_offloadoff"]
+    window, _ = file_source.load_window([_om(tmp_path, r)])
+    f = repro_fit.fit(window, gpu="B200", model=r.model, serve_args=r.command, source=r.node)
+    shares = [b.reused_share for b in f.bins]
+    assert all(0.85 <= x <= 0.9 for x in shares[1:4]), shares
+    assert all(x <= 0.05 for x in shares[5:]), shares
+    assert any(n.startswith("prefix cache: 1% to 88%") for n in f.notes), f.notes
+    seqs = repro_fit.workload(f).generate(0)
+    early = [s for s in seqs[:256]]  # the clients' first requests: minute 0's share
+    assert all(s.reused_tokens == int(f.bins[0].reused_share * s.prompt_tokens) for s in early)
+    # Served tokens make the twin fill its cache sooner, as the window's did (in its fifth minute).
+    sim = repro_fit.summarize_run(repro.run(repro_fit.scenario(f), None, 0))
+    assert sim["kv_full_share"] >= 0.6, sim
+
+
 # ---- the KV pool: stated where anything states it, sized as vLLM sizes it otherwise -----------------
 
 @needs_real
@@ -284,6 +304,7 @@ def test_a_saved_fit_reads_back_and_replays_the_same(tmp_path, runs):
     g = repro_fit.load(str(path))
     assert (g.gpu, g.model, g.knobs, g.duration_s, g.clients) == (f.gpu, f.model, f.knobs, f.duration_s, f.clients)
     assert [b.qps for b in g.bins] == pytest.approx([b.qps for b in f.bins], abs=1e-4)
+    assert [b.reused_share for b in g.bins] == pytest.approx([b.reused_share for b in f.bins], abs=1e-4)
     a = repro_fit.summarize_run(repro.run(repro_fit.scenario(f), None, 0))
     b = repro_fit.summarize_run(repro.run(repro_fit.scenario(g), None, 0))
     assert b["finished"] == pytest.approx(a["finished"], rel=0.02)
@@ -300,6 +321,22 @@ def test_a_file_that_is_not_a_fit_is_one_line(tmp_path):
     bad.write_text("this is = = not toml")
     _one_line_exit_2(_cli("repro", str(bad)), "not TOML")
     _one_line_exit_2(_cli("repro", str(tmp_path / "none.toml")), "cannot read")
+
+
+@needs_real
+def test_a_fit_saved_before_reuse_was_fitted_reads_back_with_none_and_a_bad_share_is_refused(tmp_path, runs):
+    r = runs["tp2_bs16_offloadoff"]
+    window, _ = file_source.load_window([_om(tmp_path, r)], start=str(T0), end=str(T0 + 300))
+    path = tmp_path / "scenario.toml"
+    repro_fit.save(repro_fit.fit(window, gpu="B200", model=r.model, serve_args=r.command, source=r.node), str(path))
+    text = path.read_text()
+    old = tmp_path / "old.toml"
+    old.write_text("\n".join(ln for ln in text.splitlines() if not ln.startswith("reused_share")) + "\n")
+    assert all(b.reused_share == 0.0 for b in repro_fit.load(str(old)).bins)
+    bad = tmp_path / "bad.toml"
+    bad.write_text("\n".join(("reused_share = [1.5" + ln[ln.index(","):]) if ln.startswith("reused_share") else ln
+                             for ln in text.splitlines()) + "\n")
+    _one_line_exit_2(_cli("repro", str(bad)), "reused_share must be a share")
 
 
 # ---- a store window: request rows -------------------------------------------------------------

@@ -142,3 +142,14 @@ def test_the_new_options_are_checked():
         SchedulerConfig(requeue="tail").validate()
     with pytest.raises(GpudiagError, match="watermark"):
         SchedulerConfig(recompute_watermark_bytes=-1).validate()
+
+
+def test_a_first_admission_skips_what_a_replayed_cache_served_and_a_recompute_does_not():
+    sched = _scheduler(pool_tokens=4096)
+    seq = Sequence(0, 0.0, prompt_tokens=1000, max_output_tokens=10)
+    seq.reused_tokens = 1000  # more than may be skipped: the last prompt token is always computed
+    sched.add(seq)
+    assert sched.schedule_prefill(0.0) == [seq] and seq.cached_tokens == 999
+    sched.preempt(seq)
+    assert sched.schedule_prefill(1.0) == [seq] and seq.cached_tokens == 0
+    assert sched.stats.recomputed_tokens == seq.num_tokens

@@ -241,6 +241,7 @@ class Scheduler:
                 skipped.append(self.waiting.popleft())
                 attempts_failed += 1
                 continue
+            seq.cached_tokens = 0  # the KV manager says what its caches hold at this admission
             failed = self.kv.allocate(seq, n + 1)
             if failed is not None:
                 self._note_failure(failed)
@@ -249,6 +250,9 @@ class Scheduler:
                 attempts_failed += 1
                 continue
             self.waiting.popleft()
+            if not seq.preemptions and seq.reused_tokens:
+                # At least the last prompt token is computed: its logits sample the first output token.
+                seq.cached_tokens = max(seq.cached_tokens, min(seq.reused_tokens, seq.prompt_tokens - 1))
             if seq.first_scheduled_s is None:
                 seq.first_scheduled_s = now
             if seq.preemptions:

@@ -44,6 +44,9 @@ class Sequence:
     content: tuple[tuple[int, int], ...] | None = field(default=None, repr=False)
     output_segment: int | None = None  # segment id of its generated tokens (a later turn's prompt holds them)
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at its last admission
+    # Prompt tokens served from a cache outside the simulation at its first admission, not prefilled: a
+    # replayed window's prefix caches (gpudiag repro --file/--from-store fits them from the hit counters).
+    reused_tokens: int = 0
     last_token_s: float | None = None  # when its latest token came out
 
     @property
