@@ -13,8 +13,9 @@
 - prompt and output lengths: from request rows (a log-normal fit), else the means of the engine's
   prompt and generation token counters over five-minute spans, with the spread assumed (and said so);
 - the prompt tokens the window's prefix cache served (its hits over its lookups, a share a minute):
-  the twin does not prefill that share of a request's prompt when it is first admitted. A conversation's next turn repeats the turns before it; while the cache has room
-  the window serves most of it from there, and at a full cache almost none.
+  the twin does not prefill that share of a request's prompt when it is first admitted. A
+  conversation's next turn repeats the turns before it; while the cache has room the window serves
+  most of it from there, and at a full cache almost none.
 
 What the simulator cannot describe it refuses, naming what is missing (:class:`NotDescribable`):
 no GPU name, an unknown or mixture-of-experts model, no token counts, no engine series.
