@@ -672,7 +672,7 @@ def _speed_factor(obs: Observed, duration: float, group: str, model_key: str,
         if sel.sum() < 2 or np.nanmin(obs.running[sel]) < 1:
             continue
         g_rate = _increase(obs.t, obs.generation_tokens, a, b) / SPEED_SPAN_S
-        served = _increase(obs.t, np.nan_to_num(obs.prefix_hits), a, b)
+        served = _increase(obs.t, obs.prefix_hits, a, b)  # NaN samples are skipped; none at all: 0
         p_rate = (max(0.0, _increase(obs.t, obs.prompt_tokens, a, b) - served)
                   + _increase(obs.t, obs.preemptions, a, b) * recompute_tokens) / SPEED_SPAN_S
         r = float(np.nanmean(obs.running[sel]))
@@ -1180,8 +1180,12 @@ def load(path: str) -> Fitted:
         sources = kd.pop("sources", {})
         knobs = Knobs(**kd, sources=sources)
         a = d["arrivals"]
-        bins = [Bin(*row) for row in zip(a["start_s"], a["end_s"], a["qps"], a["prompt_mean"], a["output_mean"],
-                                         a.get("reused_share", [0.0] * len(a["start_s"])))]
+        names = ("start_s", "end_s", "qps", "prompt_mean", "output_mean", "reused_share")
+        cols = [[float(x) for x in a.get(n, [0.0] * len(a["start_s"]) if n == "reused_share" else a[n])]
+                for n in names]
+        if len({len(c) for c in cols}) != 1:
+            raise ValueError(f"the [arrivals] rows ({', '.join(names)}) differ in length")
+        bins = [Bin(*row) for row in zip(*cols)]
         model_key = resolve_model(d["model"])
         base_gpu = re.sub(r"(-fp4)?(x\d+)?$", "", d["gpu"])
         gpu = group_gpu(resolve_gpu(base_gpu), knobs.tensor_parallel_size, model_key)

@@ -125,9 +125,9 @@ def _max_retries_per_s(res: repro.RunResult, long_phase: tuple[float, float]) ->
     proc = res.window.table("process")
     if proc.empty or M.process_torch_alloc_retries_total not in proc:
         return None
-    proc = proc.sort_values("t")
-    t = proc["t"].to_numpy(float)
-    per_s = np.diff(proc[M.process_torch_alloc_retries_total].to_numpy(float))
+    total = proc.groupby("t")[M.process_torch_alloc_retries_total].sum().sort_index()  # every process, each second
+    t = total.index.to_numpy(float)
+    per_s = np.diff(total.to_numpy(float))
     sel = (t[1:] > long_phase[0]) & (t[1:] <= long_phase[1])
     return float(per_s[sel].max()) if sel.any() else None
 

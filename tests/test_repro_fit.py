@@ -337,6 +337,11 @@ def test_a_fit_saved_before_reuse_was_fitted_reads_back_with_none_and_a_bad_shar
     bad.write_text("\n".join(("reused_share = [1.5" + ln[ln.index(","):]) if ln.startswith("reused_share") else ln
                              for ln in text.splitlines()) + "\n")
     _one_line_exit_2(_cli("repro", str(bad)), "reused_share must be a share")
+    share = next(ln for ln in text.splitlines() if ln.startswith("reused_share"))
+    for wrong, words in (('reused_share = ["a"' + share[share.index(","):], "missing or bad field"),
+                         ("reused_share = [0.5]", "differ in length")):
+        bad.write_text(text.replace(share, wrong))
+        _one_line_exit_2(_cli("repro", str(bad)), *words)
 
 
 # ---- a store window: request rows -------------------------------------------------------------
