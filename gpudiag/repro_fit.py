@@ -287,6 +287,9 @@ class Observed:
     # Tokens the engine says its KV pool holds (vLLM's cache_config_info, SGLang's max_total_num_tokens,
     # the agent's engine rows): the last figure of the window; 0 where it says nothing.
     kv_capacity_tokens: float = 0.0
+    # The KV connector's lookups and hits (vllm:external_prefix_cache_*); NaN where the window has none.
+    external_hits: np.ndarray | None = None
+    external_queries: np.ndarray | None = None
 
 
 def _col(df: pd.DataFrame, name: str) -> np.ndarray:
@@ -330,7 +333,9 @@ def observe(window: Window) -> Observed:
         finished=_col(eng, M.request_success_total) if M.request_success_total in eng
         else _col(eng, M.engine_requests_finished_total),
         prefix_hits=_col(eng, M.prefix_cache_hits_total), prefix_queries=_col(eng, M.prefix_cache_queries_total),
-        gpu_util=util, requests=req, kv_capacity_tokens=_last_stated(eng, M.engine_kv_capacity_tokens))
+        gpu_util=util, requests=req, kv_capacity_tokens=_last_stated(eng, M.engine_kv_capacity_tokens),
+        external_hits=_col(eng, M.external_prefix_cache_hits_total),
+        external_queries=_col(eng, M.external_prefix_cache_queries_total))
 
 
 def _last_stated(df: pd.DataFrame, column: str) -> float:
@@ -377,6 +382,9 @@ class Bin:
     output_mean: float
     # Share of the prompt tokens the window's prefix cache served (not prefilled) in this minute.
     reused_share: float = 0.0
+    # Share of the prompt tokens a KV connector (vLLM's CPU offload, a shared store) loaded back instead of
+    # prefilling in this minute: KV an earlier request left in that tier, a conversation's last turn.
+    loaded_share: float = 0.0
 
 
 @dataclass
@@ -494,29 +502,43 @@ def fit(window: Window, *, gpu: str | None = None, model: str | None = None, ser
 
 
 def _fit_reuse(obs: Observed, bins: list[Bin]) -> str | None:
-    """Set each minute's share of prompt tokens the window's prefix cache served; a note, or None when
-    the window shows no lookups.
+    """Set each minute's shares of prompt tokens the window's caches served; a note, or None when the
+    window shows no lookups.
 
-    The share is the GPU prefix cache's hits over its lookups in the minute (lookups also count
-    re-admitted preempted requests' prompts). The twin applies it to a request's first admission only:
-    a preempted one is recomputed, or loaded from the twin's own host tier, so a KV connector's hits
-    (vLLM's external prefix cache: CPU offload, a shared store) are left to that tier and not replayed.
-    It replays what the window's cache served, not what the twin's would: a fix that changes the
-    cache's room changes how much is served in the real engine and not here.
+    ``reused_share``: the GPU prefix cache's hits over its lookups in the minute (lookups also count
+    re-admitted preempted requests' prompts). ``loaded_share``: a KV connector's hits over its lookups
+    (vLLM's external prefix cache: CPU offload, a shared store; vLLM looks up there the prompt tokens
+    the GPU cache did not hold, and counts each request's prompt once). The twin applies both to a
+    request's first admission only: a preempted one is recomputed, or loaded from the twin's own host
+    tier (``kv-offload``), which holds preempted requests' KV and nothing an earlier request left. The
+    connector's loads cost the twin no step time: a connector that loads asynchronously lets the
+    other requests step meanwhile, and a host-to-device copy is PCIe time, not GPU compute. It replays
+    what the window's caches served, not what the twin's would: a fix that changes the caches' room
+    changes how much is served in the real engine and not here.
     """
-    if np.all(np.isnan(obs.prefix_queries)) or np.all(np.isnan(obs.prefix_hits)):
+    notes = []
+    for attr, hits_s, queries_s, what in (
+            ("reused_share", obs.prefix_hits, obs.prefix_queries, "from the GPU prefix cache"),
+            ("loaded_share", obs.external_hits, obs.external_queries,
+             "loaded back through the KV connector (CPU offload)")):
+        if hits_s is None or queries_s is None or np.all(np.isnan(queries_s)) or np.all(np.isnan(hits_s)):
+            continue
+        for b in bins:
+            q = _increase(obs.t, queries_s, b.start_s, b.end_s)
+            hits = _increase(obs.t, hits_s, b.start_s, b.end_s)
+            setattr(b, attr, min(1.0, max(0.0, hits / q)) if q > 0 else 0.0)
+        shares = [getattr(b, attr) for b in bins]
+        if max(shares) > 0:
+            notes.append(f"{min(shares):.0%} to {max(shares):.0%} {what}")
+        elif attr == "reused_share":
+            notes.append(f"none {what}")
+    if not notes:
         return None
-    t = obs.t
-    for b in bins:
-        q = _increase(t, obs.prefix_queries, b.start_s, b.end_s)
-        hits = _increase(t, obs.prefix_hits, b.start_s, b.end_s)
-        b.reused_share = min(1.0, max(0.0, hits / q)) if q > 0 else 0.0
-    shares = [b.reused_share for b in bins]
-    if max(shares) <= 0:
+    if all(n.startswith("none") for n in notes):
         return "prefix cache: no prompt token was served from it in the window; the twin prefills every prompt"
-    return (f"prefix cache: {min(shares):.0%} to {max(shares):.0%} of the prompt tokens looked up were served "
-            f"from it, minute by minute; the twin does not prefill that share of a request's prompt at its "
-            f"first admission (it replays what the window's cache served, not what its own would)")
+    return (f"prefix cache: of the prompt tokens looked up, minute by minute, {' and '.join(notes)}; the twin "
+            f"does not prefill that share of a request's prompt at its first admission (it replays what the "
+            f"window's caches served, not what its own would)")
 
 
 # A window is a closed loop when the requests in the engine (running plus waiting) stay at one count:
@@ -657,10 +679,10 @@ def _speed_factor(obs: Observed, duration: float, group: str, model_key: str,
     roofline (CostModel, the twin's own) charges those a GPU time g and host time h; the engine took
     the whole minute, so the factor is (1 - h) / g (median over the minutes). 1 without such minutes.
 
-    The prompt work is the prompt tokens less those the window's prefix cache served (the twin skips
-    the same share, :func:`_fit_reuse`), plus a recompute of ``recompute_tokens`` per preemption (vLLM
-    V1's prompt counter leaves recompute out). The factor then makes the twin spend the window's time on
-    the window's load.
+    The prompt work is the prompt tokens less those the window's prefix cache served or its KV
+    connector loaded (the twin skips the same shares, :func:`_fit_reuse`), plus a recompute of
+    ``recompute_tokens`` per preemption (vLLM V1's prompt counter leaves recompute out). The factor
+    then makes the twin spend the window's time on the window's load.
     """
     from gpudiag.reference_engine.sim.sim_gpu import CostModel
 
@@ -673,6 +695,8 @@ def _speed_factor(obs: Observed, duration: float, group: str, model_key: str,
             continue
         g_rate = _increase(obs.t, obs.generation_tokens, a, b) / SPEED_SPAN_S
         served = _increase(obs.t, obs.prefix_hits, a, b)  # NaN samples are skipped; none at all: 0
+        if obs.external_hits is not None:
+            served += _increase(obs.t, obs.external_hits, a, b)
         p_rate = (max(0.0, _increase(obs.t, obs.prompt_tokens, a, b) - served)
                   + _increase(obs.t, obs.preemptions, a, b) * recompute_tokens) / SPEED_SPAN_S
         r = float(np.nanmean(obs.running[sel]))
@@ -846,7 +870,7 @@ class FittedWorkload(Workload):
 def _request(arrival_s: float, prompt: int, output: int, b: Bin) -> Sequence:
     """A request of minute ``b``: its lengths, and the share of its prompt the window's cache served."""
     seq = Sequence(0, arrival_s, prompt, output, 1, "fitted")
-    seq.reused_tokens = int(b.reused_share * prompt)
+    seq.reused_tokens = int(min(1.0, b.reused_share + b.loaded_share) * prompt)
     return seq
 
 
@@ -1138,6 +1162,9 @@ def _toml_value(v) -> str:
 
 
 FORMAT = "gpudiag-fitted-scenario/1"
+# The [arrivals] rows, in Bin's order; the caches' shares may be missing from an older file.
+CACHE_ROWS = ("reused_share", "loaded_share")
+ARRIVAL_ROWS = ("start_s", "end_s", "qps", "prompt_mean", "output_mean") + CACHE_ROWS
 
 
 def save(f: Fitted, path: str) -> None:
@@ -1159,8 +1186,8 @@ def save(f: Fitted, path: str) -> None:
     lines.append("\n[observed]")
     lines += [f"{k} = {_toml_value(v)}" for k, v in f.observed.items() if v is not None]
     lines.append("\n[arrivals]  # one row a minute: start, end (s), requests/s, mean prompt and output tokens, "
-                 "share of prompt tokens served from the window's prefix cache")
-    for name in ("start_s", "end_s", "qps", "prompt_mean", "output_mean", "reused_share"):
+                 "shares of prompt tokens served from the window's prefix cache and loaded through its KV connector")
+    for name in ARRIVAL_ROWS:
         lines.append(f"{name} = {_toml_value([round(getattr(b, name), 4) for b in f.bins])}")
     Path(path).write_text("\n".join(lines) + "\n")
 
@@ -1180,8 +1207,9 @@ def load(path: str) -> Fitted:
         sources = kd.pop("sources", {})
         knobs = Knobs(**kd, sources=sources)
         a = d["arrivals"]
-        names = ("start_s", "end_s", "qps", "prompt_mean", "output_mean", "reused_share")
-        cols = [[float(x) for x in a.get(n, [0.0] * len(a["start_s"]) if n == "reused_share" else a[n])]
+        names = ARRIVAL_ROWS
+        # A fit saved before the caches' shares were fitted has no such rows: nothing was served.
+        cols = [[float(x) for x in a.get(n, [0.0] * len(a["start_s"]) if n in CACHE_ROWS else a[n])]
                 for n in names]
         if len({len(c) for c in cols}) != 1:
             raise ValueError(f"the [arrivals] rows ({', '.join(names)}) differ in length")
@@ -1201,8 +1229,9 @@ def load(path: str) -> Fitted:
         raise GpudiagError(f"{path}: a fitted scenario with a missing or bad field ({exc})") from None
     if not bins or any(b.qps < 0 or b.end_s <= b.start_s for b in bins) or not f.duration_s > 0:
         raise GpudiagError(f"{path}: arrivals must be minutes of non-negative rates inside a positive duration")
-    if any(not 0.0 <= b.reused_share <= 1.0 for b in bins):
-        raise GpudiagError(f"{path}: reused_share must be a share of prompt tokens, from 0 to 1")
+    for name in CACHE_ROWS:
+        if any(not 0.0 <= getattr(b, name) <= 1.0 for b in bins):
+            raise GpudiagError(f"{path}: {name} must be a share of prompt tokens, from 0 to 1")
     for key in ("gpu_util_mean", "prefix_hit_ratio", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s"):
         f.observed.setdefault(key, None)
     return f
