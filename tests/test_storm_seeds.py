@@ -1,9 +1,9 @@
 """SCENARIOS.md §1 on every seed: the storm's shape (gpudiag/storm_shape.py) over seeds 0 to 9.
 
 Seed 0's shape is checked on the run the other storm tests use. The ten-seed
-check is twenty two-hour runs (about four minutes on one core; ``-m "not
-storm_seeds"`` leaves it out of a quick run); bench/bench_storm_seeds.py prints
-the same figures as a table.
+checks run paged-kv on every seed, and the unfixed run seed by seed up to the
+first seed without the shape (``-m "not storm_seeds"`` leaves them out of a
+quick run); bench/bench_storm_seeds.py prints every seed's figures as a table.
 """
 
 import pytest
@@ -54,30 +54,21 @@ def test_a_run_missing_requests_is_refused_by_the_completeness_check(scenario_ru
         storm_shape.check_complete(res)
 
 
-@pytest.fixture(scope="module")
-def ten_seeds(scenario_run):
-    """Each seed's measured row; only seed 0's runs (shared with the other storm tests) stay in memory."""
-    from gpudiag import repro
-
-    def run(fix, seed):
-        if seed == 0:
-            return scenario_run("kv-eviction-storm", fix, seed)
-        return repro.run(scenarios.get("kv-eviction-storm"), fix, seed)
-
-    rows = []
-    for seed in SEEDS:
-        row = storm_shape.measure(run(None, seed), run("paged-kv", seed))
-        rows.append((row, storm_shape.verdicts(row)))
-    return rows
+def _run(scenario_run, fix, seed):
+    """One seed's run; only seed 0's (shared with the other storm tests) stay in memory."""
+    if seed == 0:
+        return scenario_run("kv-eviction-storm", fix, seed)
+    return repro.run(scenarios.get("kv-eviction-storm"), fix, seed)
 
 
 @pytest.mark.slow
 @pytest.mark.storm_seeds
-def test_paged_kv_never_evicts_nor_fails_an_allocation_on_any_seed(ten_seeds):
+def test_paged_kv_never_evicts_nor_fails_an_allocation_on_any_seed(scenario_run):
     # Its TPOT P999 against the calm P99 is part of the shape below: 1.34x to 1.51x over seeds 0-9, the long
     # phase's own KV reads slowing every step (seed 9 passes the 1.5x bound by 0.01).
-    for row, _ in ten_seeds:
-        assert row["paged_evictions"] == 0 and row["paged_alloc_failures"] == 0, row
+    for seed in SEEDS:
+        row = storm_shape.measure_fixed(_run(scenario_run, "paged-kv", seed))
+        assert row["paged_evictions"] == 0 and row["paged_alloc_failures"] == 0, (seed, row)
 
 
 @pytest.mark.slow
@@ -87,9 +78,13 @@ def test_paged_kv_never_evicts_nor_fails_an_allocation_on_any_seed(ten_seeds):
                                        "allocation retry nothing idles the GPU below 35 % for a second (at 10 ms "
                                        "the retries do, and every seed avalanches); paged-kv's TPOT P999 is 1.51x "
                                        "on seed 9")
-def test_every_seed_has_the_field_reports_shape(ten_seeds):
-    failed = {row["seed"]: [c for c, ok in v.items() if not ok] for row, v in ten_seeds}
-    assert not any(failed.values()), failed
+def test_every_seed_has_the_field_reports_shape(scenario_run):
+    # Seed by seed, stopping at the first seed without the shape (today seed 0: TPOT P99 1.99x, no dip);
+    # once every seed has it, all ten are measured and the strict xfail turns into a failure to update.
+    for seed in SEEDS:
+        row = storm_shape.measure(_run(scenario_run, None, seed), _run(scenario_run, "paged-kv", seed))
+        failed = [c for c, ok in storm_shape.verdicts(row).items() if not ok]
+        assert not failed, (seed, failed, row)
 
 
 @pytest.mark.parametrize("args,message", [(["--seeds", "a-b"], "bad --seeds"), (["--jobs", "0"], "--jobs must be"),
