@@ -282,14 +282,14 @@ class Observed:
     finished: np.ndarray
     prefix_hits: np.ndarray
     prefix_queries: np.ndarray
+    # The KV connector's lookups and hits (vllm:external_prefix_cache_*); NaN where the window has none.
+    external_hits: np.ndarray
+    external_queries: np.ndarray
     gpu_util: np.ndarray | None
     requests: pd.DataFrame  # request rows (arrival_s from 0), empty without
     # Tokens the engine says its KV pool holds (vLLM's cache_config_info, SGLang's max_total_num_tokens,
     # the agent's engine rows): the last figure of the window; 0 where it says nothing.
     kv_capacity_tokens: float = 0.0
-    # The KV connector's lookups and hits (vllm:external_prefix_cache_*); NaN where the window has none.
-    external_hits: np.ndarray | None = None
-    external_queries: np.ndarray | None = None
 
 
 def _col(df: pd.DataFrame, name: str) -> np.ndarray:
@@ -333,9 +333,9 @@ def observe(window: Window) -> Observed:
         finished=_col(eng, M.request_success_total) if M.request_success_total in eng
         else _col(eng, M.engine_requests_finished_total),
         prefix_hits=_col(eng, M.prefix_cache_hits_total), prefix_queries=_col(eng, M.prefix_cache_queries_total),
-        gpu_util=util, requests=req, kv_capacity_tokens=_last_stated(eng, M.engine_kv_capacity_tokens),
         external_hits=_col(eng, M.external_prefix_cache_hits_total),
-        external_queries=_col(eng, M.external_prefix_cache_queries_total))
+        external_queries=_col(eng, M.external_prefix_cache_queries_total),
+        gpu_util=util, requests=req, kv_capacity_tokens=_last_stated(eng, M.engine_kv_capacity_tokens))
 
 
 def _last_stated(df: pd.DataFrame, column: str) -> float:
@@ -516,27 +516,24 @@ def _fit_reuse(obs: Observed, bins: list[Bin]) -> str | None:
     what the window's caches served, not what the twin's would: a fix that changes the caches' room
     changes how much is served in the real engine and not here.
     """
-    notes = []
+    served = []
     for attr, hits_s, queries_s, what in (
             ("reused_share", obs.prefix_hits, obs.prefix_queries, "from the GPU prefix cache"),
             ("loaded_share", obs.external_hits, obs.external_queries,
              "loaded back through the KV connector (CPU offload)")):
-        if hits_s is None or queries_s is None or np.all(np.isnan(queries_s)) or np.all(np.isnan(hits_s)):
+        if np.all(np.isnan(queries_s)) or np.all(np.isnan(hits_s)):
             continue
         for b in bins:
             q = _increase(obs.t, queries_s, b.start_s, b.end_s)
             hits = _increase(obs.t, hits_s, b.start_s, b.end_s)
             setattr(b, attr, min(1.0, max(0.0, hits / q)) if q > 0 else 0.0)
-        shares = [getattr(b, attr) for b in bins]
-        if max(shares) > 0:
-            notes.append(f"{min(shares):.0%} to {max(shares):.0%} {what}")
-        elif attr == "reused_share":
-            notes.append(f"none {what}")
-    if not notes:
+        served.append((what, [getattr(b, attr) for b in bins]))
+    if not served:
         return None
-    if all(n.startswith("none") for n in notes):
+    parts = [f"{min(x):.0%} to {max(x):.0%} {what}" for what, x in served if max(x) > 0]
+    if not parts:
         return "prefix cache: no prompt token was served from it in the window; the twin prefills every prompt"
-    return (f"prefix cache: of the prompt tokens looked up, minute by minute, {' and '.join(notes)}; the twin "
+    return (f"prefix cache: of the prompt tokens looked up, minute by minute, {' and '.join(parts)}; the twin "
             f"does not prefill that share of a request's prompt at its first admission (it replays what the "
             f"window's caches served, not what its own would)")
 
@@ -694,9 +691,8 @@ def _speed_factor(obs: Observed, duration: float, group: str, model_key: str,
         if sel.sum() < 2 or np.nanmin(obs.running[sel]) < 1:
             continue
         g_rate = _increase(obs.t, obs.generation_tokens, a, b) / SPEED_SPAN_S
-        served = _increase(obs.t, obs.prefix_hits, a, b)  # NaN samples are skipped; none at all: 0
-        if obs.external_hits is not None:
-            served += _increase(obs.t, obs.external_hits, a, b)
+        # NaN samples are skipped; none at all: 0
+        served = _increase(obs.t, obs.prefix_hits, a, b) + _increase(obs.t, obs.external_hits, a, b)
         p_rate = (max(0.0, _increase(obs.t, obs.prompt_tokens, a, b) - served)
                   + _increase(obs.t, obs.preemptions, a, b) * recompute_tokens) / SPEED_SPAN_S
         r = float(np.nanmean(obs.running[sel]))
@@ -1207,12 +1203,11 @@ def load(path: str) -> Fitted:
         sources = kd.pop("sources", {})
         knobs = Knobs(**kd, sources=sources)
         a = d["arrivals"]
-        names = ARRIVAL_ROWS
         # A fit saved before the caches' shares were fitted has no such rows: nothing was served.
         cols = [[float(x) for x in a.get(n, [0.0] * len(a["start_s"]) if n in CACHE_ROWS else a[n])]
-                for n in names]
+                for n in ARRIVAL_ROWS]
         if len({len(c) for c in cols}) != 1:
-            raise ValueError(f"the [arrivals] rows ({', '.join(names)}) differ in length")
+            raise ValueError(f"the [arrivals] rows ({', '.join(ARRIVAL_ROWS)}) differ in length")
         bins = [Bin(*row) for row in zip(*cols)]
         model_key = resolve_model(d["model"])
         base_gpu = re.sub(r"(-fp4)?(x\d+)?$", "", d["gpu"])
